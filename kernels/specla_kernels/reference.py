@@ -1,0 +1,255 @@
+"""Pure-PyTorch reference of every SpecLA op: the math the Triton kernels must match, and the CPU path.
+
+Conventions follow flash-linear-attention 0.6.0: inputs are ``[B, T, H, D]``, the recurrent state is V-first
+``[B, HV, V, K]`` in fp32, value heads ``HV`` may be a multiple of query/key heads ``H`` (grouped value heads: value
+head ``h`` reads key head ``h // (HV // H)``).
+
+A *token tree* is given by ``parents [B, N]``: ``parents[b, i] < i`` is the node's parent, ``-1`` means the node hangs
+off the committed state. Nodes are numbered in topological order, so every ancestor mask is lower triangular. A chain
+is the tree ``parents = [-1, 0, 1, ...]``. See ``docs/design.md`` for the derivation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tree topology
+# ----------------------------------------------------------------------------------------------------------------
+def chain_parents(n: int, batch: int = 1, device: torch.device | str | None = None) -> torch.Tensor:
+    """Parent pointers of a chain of ``n`` nodes: ``[-1, 0, 1, ..., n-2]``."""
+    return (torch.arange(n, device=device) - 1).expand(batch, n).contiguous()
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``anc[b, i, j]`` is True iff node ``j`` is ``i`` or one of its ancestors. Loop-free (log-depth doubling)."""
+    B, N = parents.shape
+    eye = torch.eye(N, dtype=torch.float32, device=parents.device).expand(B, N, N)
+    step = F.one_hot(parents.clamp(min=0), N).float() * (parents >= 0).unsqueeze(-1)
+    anc = eye + step
+    reach = 1
+    while reach < N:  # after t squarings, paths of length up to 2^t are covered
+        anc = (anc @ anc).clamp(max=1.0)
+        reach *= 2
+    return anc > 0
+
+
+def tree_depth(anc: torch.Tensor) -> torch.Tensor:
+    """Depth of each node (0 for children of the committed state)."""
+    return anc.sum(-1) - 1
+
+
+def ancestor_at(parents: torch.Tensor, nodes: torch.Tensor, distance: int) -> torch.Tensor:
+    """The ancestor ``distance`` steps above ``nodes`` (both ``[B, M]``), or -1 once the path leaves the tree."""
+    cur = nodes
+    for _ in range(distance):
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), cur)
+    return cur
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gated delta rule
+# ----------------------------------------------------------------------------------------------------------------
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's in-kernel l2 normalisation: ``x / sqrt(sum(x^2) + eps)`` in fp32."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """Log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32, ``g <= 0``)."""
+    a = a.float()
+    if dt_bias is not None:
+        a = a + dt_bias.float()
+    return -A_log.float().exp() * F.softplus(a)
+
+
+def recurrent_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule exactly as fla's ``fused_recurrent`` kernel orders it.
+
+    q, k: ``[B, T, H, K]`` (raw, l2-normalised here); v: ``[B, T, HV, V]``; g, beta: ``[B, T, HV]`` (activated).
+    Returns ``o [B, T, HV, V]`` (dtype of v) and the final state ``[B, HV, V, K]`` (fp32).
+    """
+    B, T, H, K = k.shape
+    HV, V = v.shape[-2:]
+    scale = K ** -0.5 if scale is None else scale
+    rep = HV // H
+    out_dtype = v.dtype
+    qn = (l2norm(q) * scale).repeat_interleave(rep, dim=2)
+    kn = l2norm(k).repeat_interleave(rep, dim=2)
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = q.new_zeros(B, HV, V, K, dtype=torch.float32) if initial_state is None else initial_state.float().clone()
+    o = v.new_empty(B, T, HV, V, dtype=out_dtype)
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None, None]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum('bhvk,bhk->bhv', S, kn[:, t]))
+        S = S + u[..., None] * kn[:, t, :, None, :]
+        o[:, t] = torch.einsum('bhvk,bhk->bhv', S, qn[:, t])
+    return o, S
+
+
+def tree_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify ``N`` tree nodes in one pass from the committed state, writing no per-node state.
+
+    q, k: ``[B, N, H, K]`` raw; v: ``[B, N, HV, V]``; g, beta: ``[B, N, HV]``; initial_state: ``[B, HV, V, K]``.
+    ``prefix``: factors ``(k_hat [B, N0, H, K], u [B, N0, HV, V], g [B, N0, HV])`` of nodes already verified on the
+    same committed state; then ``parents`` is ``[B, N0 + N]`` and the new nodes may hang off old ones.
+    Returns ``o [B, N, HV, V]`` and the new nodes' factors ``k_hat [B, N, H, K]``, ``u [B, N, HV, V]`` (fp32).
+    """
+    B, N, H, K = k.shape
+    HV, V = v.shape[-2:]
+    rep = HV // H
+    scale = K ** -0.5 if scale is None else scale
+    out_dtype = v.dtype
+    S0 = initial_state.float()
+    k_hat = l2norm(k)
+    qh = (l2norm(q) * scale).repeat_interleave(rep, dim=2)
+    kh = k_hat.repeat_interleave(rep, dim=2)
+    v, g, beta = v.float(), g.float(), beta.float()
+    if prefix is None:
+        prefix = (k_hat[:, :0], v.new_empty(B, 0, HV, V), g[:, :0])
+    k0, u0, g0 = prefix
+    N0 = k0.shape[1]
+    kh_all = torch.cat([k0.float().repeat_interleave(rep, dim=2), kh], 1)      # [B, Nt, HV, K]
+    g_all = torch.cat([g0.float(), g], 1)                                       # [B, Nt, HV]
+
+    anc_all = tree_ancestors(parents)                                           # [B, Nt, Nt]
+    anc = anc_all[:, N0:]
+    gam_all = torch.einsum('bij,bjh->bih', anc_all.float(), g_all)              # path log-decay
+    gam = gam_all[:, N0:]                                                       # [B, N, HV]
+    diff = gam[:, :, None, :] - gam_all[:, None, :, :]                          # [B, N, Nt, HV]
+    decay = torch.where(anc[..., None], diff, torch.full_like(diff, float('-inf'))).exp()
+    self_mask = torch.zeros_like(anc)
+    self_mask[:, :, N0:] = torch.eye(N, dtype=torch.bool, device=anc.device)
+    strict = decay * (~self_mask)[..., None]
+
+    kk = torch.einsum('bihk,bjhk->bijh', kh, kh_all)                            # k_i . k_j
+    rhs = beta[..., None] * (v - gam.exp()[..., None] * torch.einsum('bhvk,bihk->bihv', S0, kh))
+    if N0:
+        rhs = rhs - beta[..., None] * torch.einsum('bijh,bjhv->bihv', (strict * kk)[:, :, :N0], u0.float())
+    L = (beta[:, :, None, :] * strict[:, :, N0:] * kk[:, :, N0:]).permute(0, 3, 1, 2)   # [B, HV, N, N]
+    eye = torch.eye(N, device=L.device, dtype=L.dtype)
+    u = torch.linalg.solve_triangular(eye + L, rhs.permute(0, 2, 1, 3), upper=False, unitriangular=True)
+    u = u.permute(0, 2, 1, 3)                                                   # [B, N, HV, V]
+
+    u_all = torch.cat([u0.float(), u], 1)
+    qk = torch.einsum('bihk,bjhk->bijh', qh, kh_all)
+    o = gam.exp()[..., None] * torch.einsum('bhvk,bihk->bihv', S0, qh)
+    o = o + torch.einsum('bijh,bjhv->bihv', decay * qk, u_all)
+    return o.to(out_dtype), k_hat, u
+
+
+def commit_state_ref(
+    state: torch.Tensor,
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    parents: torch.Tensor,
+    accepted: torch.Tensor,
+) -> torch.Tensor:
+    """State after the root-to-``accepted`` path, from compact factors: one rank-|P| update, no re-run.
+
+    state: ``[B, HV, V, K]``; k_hat ``[B, Nt, H, K]``, u ``[B, Nt, HV, V]``, g ``[B, Nt, HV]`` of all verified nodes;
+    ``accepted [B]``: the last accepted node (-1: nothing accepted, state unchanged).
+    """
+    B, Nt, H, K = k_hat.shape
+    HV = u.shape[2]
+    anc = tree_ancestors(parents)
+    on_path = anc.gather(1, accepted.clamp(min=0)[:, None, None].expand(B, 1, Nt)).squeeze(1)
+    on_path = on_path & (accepted >= 0)[:, None]
+    gp = g.float() * on_path[..., None]                       # gates of path nodes, 0 elsewhere
+    gam_m = gp.sum(1)                                          # [B, HV]
+    gam_j = torch.cumsum(gp, 1)                                # path order == index order on a root path
+    w = torch.where(on_path[..., None], (gam_m[:, None] - gam_j).exp(), torch.zeros_like(gp))
+    kh = k_hat.float().repeat_interleave(HV // H, dim=2)
+    upd = torch.einsum('bjh,bjhv,bjhk->bhvk', w, u.float(), kh)
+    return state.float() * gam_m.exp()[..., None, None] + upd
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# short convolution
+# ----------------------------------------------------------------------------------------------------------------
+def _tree_gather(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                 nodes: torch.Tensor, distance: int) -> torch.Tensor:
+    """Raw input ``distance`` steps above each of ``nodes`` ([B, M]): a tree node's, or the committed window's.
+
+    x: ``[B, Nt, D]`` raw inputs of the tree nodes; window: ``[B, D, W]`` (fla layout, newest last).
+    """
+    W = window.shape[-1]
+    anc = ancestor_at(parents, nodes, distance)                                          # [B, M]
+    from_tree = x.gather(1, anc.clamp(min=0)[..., None].expand(-1, -1, x.shape[-1]))
+    node_depth = depth.gather(1, nodes.clamp(min=0))
+    win_idx = (W - distance + node_depth).clamp(0, W - 1)                                # see docs/design.md
+    from_win = window.gather(2, win_idx[:, None, :].expand(-1, window.shape[1], -1)).transpose(1, 2)
+    return torch.where((anc >= 0)[..., None], from_tree, from_win.to(x.dtype))
+
+
+def tree_conv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    window: torch.Tensor,
+    parents: torch.Tensor,
+    activation: str | None = 'silu',
+) -> torch.Tensor:
+    """Depthwise causal conv where each node sees its own ancestors, then the committed window.
+
+    x: ``[B, Nt, D]`` raw (pre-conv) inputs; weight ``[D, W]``; window ``[B, D, W]``. Returns ``[B, Nt, D]``.
+    """
+    B, N, D = x.shape
+    W = weight.shape[-1]
+    depth = tree_depth(tree_ancestors(parents))
+    nodes = torch.arange(N, device=x.device).expand(B, N)
+    y = torch.zeros(B, N, D, dtype=torch.float32, device=x.device)
+    for s in range(W):
+        y = y + _tree_gather(x, window, parents, depth, nodes, s).float() * weight[:, W - 1 - s].float()
+    if bias is not None:
+        y = y + bias.float()
+    if activation in ('silu', 'swish'):
+        y = F.silu(y)
+    return y.to(x.dtype)
+
+
+def commit_window_ref(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor,
+                      accepted: torch.Tensor) -> torch.Tensor:
+    """Conv window after the accepted path: the last ``W`` raw inputs of ``[window, x along the path]``."""
+    W = window.shape[-1]
+    depth = tree_depth(tree_ancestors(parents))
+    m = accepted[:, None]
+    cols = [_tree_gather(x, window, parents, depth, m, s)[:, 0] for s in range(W - 1, -1, -1)]
+    new = torch.stack(cols, -1)                                                          # [B, D, W]
+    return torch.where((accepted >= 0)[:, None, None], new.to(window.dtype), window)
+
+
+def conv_sequence_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor | None,
+                      activation: str | None = 'silu') -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's ``ShortConvolution`` on a plain sequence with its cache: returns ``y [B, T, D]`` and the new window."""
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    if window is None:
+        window = x.new_zeros(B, D, W)
+    full = torch.cat([window.to(x.dtype), x.transpose(1, 2)], -1)                       # [B, D, W + T]
+    y = F.conv1d(full[..., 1:].float(), weight.float()[:, None], bias.float() if bias is not None else None,
+                 groups=D)
+    if activation in ('silu', 'swish'):
+        y = F.silu(y)
+    return y.transpose(1, 2).to(x.dtype), full[..., -W:].contiguous()
