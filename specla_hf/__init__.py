@@ -4,7 +4,17 @@
 ``GatedDeltaNetForCausalLM.generate(..., assistant_model=drafter)`` run speculative decoding.
 """
 from specla_hf import backend as _backend
+from specla_hf import generation as _generation
 
 _backend.install()
+_generation.install()
+
+from specla_hf.cache import SpecLACache  # noqa: E402
+from specla_hf.decoding import SpecLAStats, speculative_decode  # noqa: E402
+from specla_hf.drafting import DraftOptions, DraftTree, DynamicTreeDrafter, GDNDrafter  # noqa: E402
+from specla_hf.gdn import GDNRunner  # noqa: E402
+
+__all__ = ["SpecLACache", "SpecLAStats", "speculative_decode", "DraftOptions", "DraftTree", "DynamicTreeDrafter",
+           "GDNDrafter", "GDNRunner"]
 
 __version__ = "0.1.0"

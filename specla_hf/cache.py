@@ -1,0 +1,136 @@
+"""``SpecLACache``: a transformers ``Cache`` holding, per GDN layer, the committed recurrent state, the conv window
+and the compact verification factors of the draft nodes verified since the last commit.
+
+Nothing here stores a state per draft node: a verify pass leaves the committed state untouched and records, per node,
+``k_hat [H, K]``, ``u [HV, V]``, the log-decay ``g [HV]`` and the raw pre-conv inputs; ``commit(accepted)`` rebuilds
+the state after the accepted root-to-node path with one rank-|path| update (``docs/design.md``).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specla_kernels import ops
+from specla_kernels.reference import tree_ancestors, tree_depth
+
+
+class SpecLALayer(CacheLayerMixin):
+    """One GDN layer: committed ``state [B, HV, V, K]`` (fp32), ``window [B, D, W]`` (raw q|k|v inputs, newest
+    last, fla's layout) and the pending nodes' factors."""
+
+    is_compileable = False
+
+    def __init__(self, batch_size: int, num_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_dim: int, conv_size: int | None, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.state = torch.zeros(batch_size, num_v_heads, head_v_dim, head_k_dim, dtype=torch.float32, device=device)
+        self.window = (torch.zeros(batch_size, conv_dim, conv_size, dtype=dtype, device=device)
+                       if conv_size else None)
+        self.k_hat = torch.empty(batch_size, 0, num_heads, head_k_dim, dtype=torch.float32, device=device)
+        self.u = torch.empty(batch_size, 0, num_v_heads, head_v_dim, dtype=torch.float32, device=device)
+        self.g = torch.empty(batch_size, 0, num_v_heads, dtype=torch.float32, device=device)
+        self.x = torch.empty(batch_size, 0, conv_dim, dtype=dtype, device=device)
+        self.device = device
+        self.is_initialized = True
+
+    # ---- factors of the pending (verified, not yet committed) nodes ----
+    def add_factors(self, k_hat: torch.Tensor, u: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
+        self.k_hat = torch.cat([self.k_hat, k_hat], 1)
+        self.u = torch.cat([self.u, u], 1)
+        self.g = torch.cat([self.g, g], 1)
+        self.x = torch.cat([self.x, x], 1)
+
+    def commit(self, parents: torch.Tensor, accepted: torch.Tensor) -> None:
+        ops.commit_state_(self.state, self.k_hat, self.u, self.g, parents, accepted)
+        if self.window is not None:
+            ops.commit_window_(self.x, self.window, parents, accepted)
+        self.k_hat, self.u, self.g, self.x = (t[:, :0] for t in (self.k_hat, self.u, self.g, self.x))
+
+    def factor_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_hat, self.u, self.g, self.x))
+
+    # ---- CacheLayerMixin interface: this layer is driven by specla_hf.gdn, not by a model's forward ----
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        pass  # allocated eagerly in __init__, with the model's shapes
+
+    def update(self, *args, **kwargs):
+        raise TypeError("SpecLACache is advanced by specla_hf's decoding loop (specla_hf.gdn.GDNRunner); it cannot "
+                        "be passed as `past_key_values` to a model forward. Use model.generate(..., "
+                        "assistant_model=...) or specla_hf.GDNRunner.")
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return 0, 0  # a recurrent layer takes no attention mask
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        raise TypeError("ask the SpecLACache, not its layer, for the sequence length")
+
+    def get_max_length(self) -> int:
+        return -1  # no sequence dimension
+
+    def reset(self) -> None:
+        self.state.zero_()
+        if self.window is not None:
+            self.window.zero_()
+        self.k_hat, self.u, self.g, self.x = (t[:, :0] for t in (self.k_hat, self.u, self.g, self.x))
+
+
+class SpecLACache(Cache):
+    """Per-layer recurrent state + conv window + verification factors, and the tree of the pending nodes.
+
+    ``seq_length`` counts committed tokens (transformers' ``get_seq_length`` cannot be derived from a recurrent
+    state, so the cache tracks it). ``parents [B, N]`` is the topology of the ``N`` pending nodes.
+    """
+
+    def __init__(self, layers: list[SpecLALayer]):
+        super().__init__(layers=layers)
+        first = layers[0]
+        self.parents = torch.empty(first.state.shape[0], 0, dtype=torch.long, device=first.state.device)
+        self.seq_length = 0
+
+    @property
+    def num_pending(self) -> int:
+        return self.parents.shape[1]
+
+    def get_seq_length(self, layer_idx: int | None = 0, *args, **kwargs) -> int:
+        return self.seq_length
+
+    def add_nodes(self, parents: torch.Tensor) -> torch.Tensor:
+        """Append nodes with ``parents`` (indices into all pending nodes); returns all pending parents."""
+        self.parents = torch.cat([self.parents, parents], 1)
+        return self.parents
+
+    def commit(self, accepted: torch.Tensor | int) -> None:
+        """Keep the root-to-``accepted`` path of the pending nodes (index per sequence; -1 keeps none)."""
+        B = self.parents.shape[0]
+        if isinstance(accepted, int):
+            accepted = torch.full((B,), accepted, dtype=torch.long, device=self.parents.device)
+        for layer in self.layers:
+            layer.commit(self.parents, accepted)
+        depth = tree_depth(tree_ancestors(self.parents))
+        # batch 1 is what the decoding loop drives; for B > 1 every sequence must accept the same count
+        path_len = torch.where(accepted >= 0, depth.gather(1, accepted.clamp(min=0)[:, None])[:, 0] + 1, 0)
+        lengths = set(path_len.tolist())
+        if len(lengths) != 1:
+            raise ValueError(f"sequences accepted paths of different lengths {sorted(lengths)}; SpecLACache tracks "
+                             "one sequence length per cache")
+        self.seq_length += lengths.pop()
+        self.parents = self.parents[:, :0]
+
+    def advance(self, num_tokens: int) -> None:
+        """Record ``num_tokens`` consumed straight into the committed state (prefill / autoregressive steps)."""
+        if self.num_pending:
+            raise RuntimeError("commit or discard the pending draft nodes before consuming tokens directly")
+        self.seq_length += num_tokens
+
+    def discard(self) -> None:
+        """Drop the pending nodes without committing any."""
+        self.commit(-1)
+
+    def factor_bytes(self) -> int:
+        return sum(layer.factor_bytes() for layer in self.layers)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.parents = self.parents[:, :0]
+        self.seq_length = 0

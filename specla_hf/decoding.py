@@ -1,0 +1,159 @@
+"""The speculative decoding loop: draft a tree, verify it in one target pass, accept a path, commit it.
+
+Invariant: the target's cache has consumed every token of ``input_ids`` except the last (the *pending* token), which
+is the root of each draft tree. One target forward per step; accepted tokens are never run through the target again.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from specla_hf.drafting import DraftTree, DynamicTreeDrafter
+from specla_hf.gdn import GDNRunner
+
+
+@dataclass
+class SpecLAStats:
+    """What users of speculative decoding look at, for one ``generate`` call."""
+    target_calls: int = 0                 # target forward passes (prefill included)
+    steps: int = 0                        # verify passes
+    new_tokens: int = 0
+    draft_nodes: list[int] = field(default_factory=list)      # draft nodes verified per step
+    accepted: list[int] = field(default_factory=list)         # draft tokens accepted per step
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verify pass (accepted drafts + the target's own token)."""
+        return (sum(self.accepted) + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def rejected_nodes_per_step(self) -> float:
+        return (sum(self.draft_nodes) - sum(self.accepted)) / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.new_tokens} tokens in {self.total_time:.2f}s ({self.tokens_per_second:.1f} tok/s), "
+                f"tau={self.tau:.2f} over {self.steps} verify steps, draft {self.draft_time:.2f}s, "
+                f"verify {self.verify_time:.2f}s")
+
+
+def accept_path(tree: DraftTree, logits: torch.Tensor, context: torch.LongTensor,
+                logits_processor: LogitsProcessorList, do_sample: bool) -> tuple[int, list[int], list[torch.Tensor]]:
+    """Walk the tree from the root with the target's (processed) distributions; lossless for greedy and sampling.
+
+    Greedy: follow the child equal to the target's argmax. Sampling: the children of a node are candidates chosen
+    deterministically by the drafter, tried in order: accept ``x`` with probability ``p(x)``, otherwise set
+    ``p(x) = 0`` and renormalise; if all fail, the bonus token is sampled from what is left of ``p``. This reproduces
+    plain sampling from ``p`` exactly. ``p`` is the target's distribution after the same logits processors plain
+    decoding applies, evaluated on the node's own context.
+    Returns (last accepted node, emitted tokens = accepted drafts + bonus, processed scores per emitted token).
+    """
+    node, emitted, scores = 0, [], []
+    tokens = tree.tokens.tolist()
+    ctx = context
+    while True:
+        score = logits[node:node + 1]
+        if len(logits_processor):
+            score = logits_processor(ctx, score.clone())
+        scores.append(score)
+        kids = tree.children[node]
+        if not do_sample:
+            choice = int(score.argmax(-1))
+            nxt = next((c for c in kids if tokens[c] == choice), None)
+        else:
+            p = torch.softmax(score[0], -1)
+            nxt = None
+            for c in kids:
+                if torch.rand(()) < p[tokens[c]]:
+                    nxt = c
+                    break
+                p[tokens[c]] = 0
+                p = p / p.sum()
+            choice = tokens[nxt] if nxt is not None else int(torch.multinomial(p, 1))
+        emitted.append(choice)
+        if nxt is None:
+            return node, emitted, scores
+        node = nxt
+        ctx = torch.cat([ctx, ctx.new_tensor([[choice]])], 1)
+
+
+def speculative_decode(
+    target: GDNRunner,
+    drafter: DynamicTreeDrafter,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    do_sample: bool,
+    max_length: int,
+    streamer=None,
+    keep_scores: bool = False,
+) -> tuple[torch.LongTensor, SpecLAStats, list[torch.Tensor], list[torch.Tensor]]:
+    """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits)."""
+    stats, all_scores, all_logits = SpecLAStats(), [], []
+    start = time.perf_counter()
+    cache = target.new_cache(1)
+    if input_ids.shape[1] > 1:
+        target.forward(input_ids[:, :-1].to(target.device), cache, logits_positions=slice(0, 0))
+        stats.target_calls += 1
+    prompt_len = input_ids.shape[1]
+    while True:
+        t0 = time.perf_counter()
+        tree = drafter.propose(input_ids, max_depth=max_length - input_ids.shape[1] - 1)
+        t1 = time.perf_counter()
+        out = target.forward(tree.tokens[None].to(target.device), cache, parents=tree.parents[None].to(target.device),
+                             logits_positions=slice(None))
+        logits = out.logits[0].float().to(input_ids.device)
+        node, emitted, scores = accept_path(tree, logits, input_ids, logits_processor, do_sample)
+        cache.commit(node)
+        _sync(target.device)
+        t2 = time.perf_counter()
+        stats.target_calls += 1
+        stats.steps += 1
+        stats.draft_nodes.append(len(tree) - 1)
+        stats.accepted.append(len(emitted) - 1)
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+
+        # emit token by token so that EOS / max_length / any stopping criterion stops exactly where plain decoding would
+        done, added = False, 0
+        for tok, score, n in zip(emitted, scores, _path_nodes(tree, node)):
+            input_ids = torch.cat([input_ids, input_ids.new_tensor([[tok]])], 1)
+            added += 1
+            if keep_scores:
+                all_scores.append(score)
+                all_logits.append(logits[n:n + 1])
+            if bool(stopping_criteria(input_ids, None).any()):
+                done = True
+                break
+        if streamer is not None:
+            streamer.put(input_ids[:, -added:].cpu())
+        drafter.observe(emitted[:-1])
+        if done:
+            break
+    stats.new_tokens = input_ids.shape[1] - prompt_len
+    stats.total_time = time.perf_counter() - start
+    return input_ids, stats, all_scores, all_logits
+
+
+def _path_nodes(tree: DraftTree, node: int) -> list[int]:
+    """Nodes from the root to ``node`` inclusive (the positions whose logits produced the emitted tokens)."""
+    out, parents = [], tree.parents.tolist()
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,152 @@
+"""``GatedDeltaNetForCausalLM.generate(..., assistant_model=drafter)`` runs SpecLA speculative decoding.
+
+transformers refuses assisted generation for every stateful model. ``install()`` (run on ``import specla_hf``) gives
+fla's ``GatedDeltaNetForCausalLM`` a ``generate`` that, when an ``assistant_model`` is passed, hands transformers our
+decoding loop as a ``custom_generate`` callable: transformers still prepares the ``GenerationConfig``, the logits
+processors (temperature, top-k/p, repetition penalty, ...) and the stopping criteria (max length, EOS, stop strings),
+exactly as for plain decoding, and our loop applies them. Without an assistant the stock ``generate`` runs.
+
+Extra ``generate`` keywords: ``tree`` (bool), ``tree_budget``, ``tree_topk``, ``draft_depth``,
+``confidence_threshold``, ``adaptive_drafting``. After the call ``model.specla_stats`` holds a ``SpecLAStats``; with
+``return_dict_in_generate=True`` the output carries it as ``specla_stats`` too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation import GenerationMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from specla_hf.decoding import SpecLAStats, speculative_decode
+from specla_hf.drafting import DraftOptions, DynamicTreeDrafter, GDNDrafter
+from specla_hf.gdn import GDNRunner
+
+CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
+TREE_DEFAULTS = DraftOptions(depth=6, topk=4, budget=24, threshold=0.02)
+
+
+@dataclass
+class SpecLAGenerateOutput(GenerateDecoderOnlyOutput):
+    specla_stats: SpecLAStats | None = None
+
+
+def draft_options(tree: bool | None = None, tree_budget: int | None = None, tree_topk: int | None = None,
+                  draft_depth: int | None = None, confidence_threshold: float | None = None,
+                  adaptive_drafting: bool | None = None) -> DraftOptions:
+    base = TREE_DEFAULTS if tree else CHAIN_DEFAULTS
+    depth = draft_depth if draft_depth is not None else base.depth
+    topk = (tree_topk if tree_topk is not None else base.topk) if tree else 1
+    budget = (tree_budget if tree_budget is not None else base.budget) if tree else depth
+    if not tree and (tree_budget is not None or tree_topk is not None):
+        raise ValueError("tree_budget / tree_topk shape a draft tree: pass tree=True with them")
+    return DraftOptions(depth=depth, topk=topk, budget=budget,
+                        threshold=base.threshold if confidence_threshold is None else confidence_threshold,
+                        adaptive=base.adaptive if adaptive_drafting is None else adaptive_drafting)
+
+
+def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter:
+    """Wrap what the user passed as ``assistant_model`` into a tree drafter, checking it fits the target."""
+    from fla.models import GatedDeltaNetForCausalLM
+
+    if isinstance(assistant, DynamicTreeDrafter):
+        return assistant
+    if not isinstance(assistant, torch.nn.Module):
+        raise TypeError(f"assistant_model must be a drafter model or a SpecLA DynamicTreeDrafter, got "
+                        f"{type(assistant).__name__}")
+    t_vocab, d_vocab = target.config.vocab_size, assistant.config.vocab_size
+    # a target-aligned drafter (specla_hf.eagle) reads the target's hidden features: it checks the fit itself
+    aligned = getattr(assistant, "is_specla_drafter", False)
+    if aligned:
+        assistant.check_target(target)
+    elif t_vocab != d_vocab:
+        raise ValueError(f"drafter vocabulary ({d_vocab}) differs from the target's ({t_vocab}); SpecLA needs a "
+                         "drafter trained with the target's tokenizer")
+    t_param, d_param = next(target.parameters()), next(assistant.parameters())
+    if d_param.device != t_param.device:
+        raise ValueError(f"drafter is on {d_param.device} but the target is on {t_param.device}; move it with "
+                         f"assistant_model.to({str(t_param.device)!r})")
+    if d_param.dtype != t_param.dtype:
+        raise ValueError(f"drafter dtype {d_param.dtype} differs from the target's {t_param.dtype}; cast it with "
+                         f"assistant_model.to({t_param.dtype})")
+    if aligned:
+        return assistant.candidate_generator(target, options)
+    if isinstance(assistant, GatedDeltaNetForCausalLM):
+        return GDNDrafter(assistant, options)
+    raise TypeError(f"unsupported assistant_model {type(assistant).__name__}: pass a GatedDeltaNetForCausalLM draft "
+                    "model or a specla_hf SpecLADrafter")
+
+
+def _check_generation(model, input_ids, generation_config, model_kwargs) -> None:
+    cfg = generation_config
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"SpecLA speculative decoding runs one sequence at a time (batch size 1); got batch size "
+                         f"{input_ids.shape[0]}. Loop over the prompts, or drop assistant_model for batched decoding.")
+    if cfg.num_beams != 1:
+        raise ValueError(f"num_beams={cfg.num_beams}: beam search cannot be combined with assistant_model")
+    if cfg.num_return_sequences != 1:
+        raise ValueError(f"num_return_sequences={cfg.num_return_sequences}: assisted generation returns one sequence")
+    if cfg.output_attentions or cfg.output_hidden_states:
+        raise ValueError("output_attentions / output_hidden_states are not available with SpecLA decoding (the "
+                         "target runs tree passes); use output_scores / output_logits")
+    if cfg.use_cache is False:
+        raise ValueError("use_cache=False: speculative decoding needs the recurrent cache")
+    if getattr(cfg, "prompt_lookup_num_tokens", None) or getattr(cfg, "assistant_early_exit", None):
+        raise ValueError("prompt_lookup_num_tokens / assistant_early_exit pick other candidate generators; pass only "
+                         "assistant_model to use SpecLA")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise ValueError("attention_mask has padding; SpecLA decodes one unpadded sequence")
+    if model_kwargs.get("past_key_values") is not None and model_kwargs["past_key_values"].get_seq_length() > 0:
+        raise ValueError("a pre-filled past_key_values cannot be continued by SpecLA; pass the full prompt")
+
+
+def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                     specla_assistant=None, specla_streamer=None, tree: bool | None = None,
+                     tree_budget: int | None = None, tree_topk: int | None = None, draft_depth: int | None = None,
+                     confidence_threshold: float | None = None, adaptive_drafting: bool | None = None,
+                     **model_kwargs):
+    """transformers ``custom_generate`` callable: the SpecLA loop under transformers' own generation setup."""
+    _check_generation(model, input_ids, generation_config, model_kwargs)
+    options = draft_options(tree, tree_budget, tree_topk, draft_depth, confidence_threshold, adaptive_drafting)
+    drafter = make_drafter(model, specla_assistant, options)
+    target = GDNRunner(model)
+    if specla_streamer is not None:
+        specla_streamer.put(input_ids.cpu())
+    cfg = generation_config
+    keep = bool(cfg.return_dict_in_generate and (cfg.output_scores or cfg.output_logits))
+    sequences, stats, scores, logits = speculative_decode(
+        target, drafter, input_ids, logits_processor, stopping_criteria, do_sample=bool(cfg.do_sample),
+        max_length=cfg.max_length, streamer=specla_streamer, keep_scores=keep)
+    if specla_streamer is not None:
+        specla_streamer.end()
+    model.specla_stats = stats
+    if not cfg.return_dict_in_generate:
+        return sequences
+    return SpecLAGenerateOutput(sequences=sequences, scores=tuple(scores) if cfg.output_scores else None,
+                                logits=tuple(logits) if cfg.output_logits else None, specla_stats=stats)
+
+
+def install() -> None:
+    """Give fla's GatedDeltaNetForCausalLM a generate() that accepts assistant_model (see module docstring)."""
+    from fla.models import GatedDeltaNetForCausalLM
+
+    stock = GatedDeltaNetForCausalLM.generate
+    if getattr(stock, "specla", False):
+        return
+
+    def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
+                 prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None, **kwargs):
+        if assistant_model is None:
+            return stock(self, inputs, generation_config, logits_processor, stopping_criteria,
+                         prefix_allowed_tokens_fn, synced_gpus, streamer=streamer, **kwargs)
+        if kwargs.get("custom_generate") is not None:
+            raise ValueError("custom_generate cannot be combined with assistant_model under SpecLA")
+        return GenerationMixin.generate(
+            self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
+            synced_gpus, custom_generate=_specla_decoding, specla_assistant=assistant_model,
+            specla_streamer=streamer, **kwargs)
+
+    generate.specla = True
+    generate.__doc__ = stock.__doc__
+    GatedDeltaNetForCausalLM.generate = generate
