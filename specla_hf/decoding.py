@@ -102,8 +102,11 @@ def speculative_decode(
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
     cache = target.new_cache(1)
+    feature_layers = drafter.feature_layers            # target hidden states a target-aligned drafter reads
     if input_ids.shape[1] > 1:
-        target.forward(input_ids[:, :-1].to(target.device), cache, logits_positions=slice(0, 0))
+        out = target.forward(input_ids[:, :-1].to(target.device), cache, logits_positions=slice(0, 0),
+                             hidden_layers=feature_layers)
+        drafter.add_features(out.hidden_states)
         stats.target_calls += 1
     prompt_len = input_ids.shape[1]
     while True:
@@ -111,10 +114,12 @@ def speculative_decode(
         tree = drafter.propose(input_ids, max_depth=max_length - input_ids.shape[1] - 1)
         t1 = time.perf_counter()
         out = target.forward(tree.tokens[None].to(target.device), cache, parents=tree.parents[None].to(target.device),
-                             logits_positions=slice(None))
+                             logits_positions=slice(None), hidden_layers=feature_layers)
         logits = out.logits[0].float().to(input_ids.device)
         node, emitted, scores = accept_path(tree, logits, input_ids, logits_processor, do_sample)
         cache.commit(node)
+        path = _path_nodes(tree, node)
+        drafter.add_features(tuple(h[:, path] for h in out.hidden_states))
         _sync(target.device)
         t2 = time.perf_counter()
         stats.target_calls += 1
@@ -126,7 +131,7 @@ def speculative_decode(
 
         # emit token by token so that EOS / max_length / any stopping criterion stops exactly where plain decoding would
         done, added = False, 0
-        for tok, score, n in zip(emitted, scores, _path_nodes(tree, node)):
+        for tok, score, n in zip(emitted, scores, path):
             input_ids = torch.cat([input_ids, input_ids.new_tensor([[tok]])], 1)
             added += 1
             if keep_scores:

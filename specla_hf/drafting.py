@@ -87,6 +87,10 @@ class AcceptanceCalibration:
 class DynamicTreeDrafter(CandidateGenerator):
     """EAGLE-2-style dynamic tree drafting with confidence pruning (see module docstring)."""
 
+    # target layers whose hidden states the drafter reads (0 = embeddings, i = after block i); empty for drafters
+    # that only see tokens
+    feature_layers: tuple[int, ...] = ()
+
     def __init__(self, options: DraftOptions):
         self.options = options
         self.calibration = AcceptanceCalibration()
@@ -107,6 +111,10 @@ class DynamicTreeDrafter(CandidateGenerator):
     def finish(self, accepted_tokens: list[int]) -> None:
         """The target accepted ``accepted_tokens`` after the pending token: roll the drafter's state forward."""
         raise NotImplementedError
+
+    def add_features(self, features: tuple[torch.Tensor, ...]) -> None:
+        """Target hidden states (one ``[1, n, hidden]`` per feature layer) of the ``n`` positions the target just
+        committed, in order. Only target-aligned drafters (``feature_layers`` set) use them."""
 
     # ---- the expansion ----
     @property

@@ -1,0 +1,35 @@
+"""Small random GDN models for CPU tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specla_hf  # noqa: F401  (installs the CPU torch path and generate(assistant_model=...))
+from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+
+def tiny_gdn(seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 2, head_dim: int = 16,
+             v_heads: int | None = None, vocab: int = 97, conv: bool = True, gate: bool = True,
+             neg_eig: bool = False, fuse_norm: bool = True, dtype=torch.float32) -> GatedDeltaNetForCausalLM:
+    torch.manual_seed(seed)
+    cfg = GatedDeltaNetConfig(hidden_size=hidden, num_hidden_layers=layers, num_heads=heads, head_dim=head_dim,
+                              num_v_heads=v_heads, vocab_size=vocab, expand_v=2, hidden_ratio=2,
+                              use_short_conv=conv, use_gate=gate, allow_neg_eigval=neg_eig, fuse_norm=fuse_norm,
+                              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = GatedDeltaNetForCausalLM(cfg).to(dtype).eval()
+    # fla initialises A_log/dt_bias so that decay is near 1; spread them so gating matters in tests
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.attn.A_log.uniform_(-1.0, 1.0)
+            block.attn.dt_bias.uniform_(-2.0, 1.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_gdn(seed=0)
+
+
+@pytest.fixture(scope="session")
+def bad_drafter():
+    return tiny_gdn(seed=1, hidden=32, layers=1, heads=2, head_dim=8)

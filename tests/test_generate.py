@@ -1,0 +1,228 @@
+"""generate(assistant_model=...) is lossless: greedy token-identical, sampling distribution-identical."""
+import copy
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper
+from transformers import MaxLengthCriteria, TopKLogitsWarper
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import tiny_gdn
+from specla_hf import GDNDrafter, GDNRunner, speculative_decode
+from specla_hf.generation import draft_options
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("draft", ["perfect", "bad"])
+def test_greedy_identical_to_plain(target, bad_drafter, tree, draft):
+    drafter = target if draft == "perfect" else bad_drafter
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        n_prompt = int(torch.randint(1, 30, (), generator=gen))
+        n_new = int(torch.randint(1, 40, (), generator=gen))
+        ids = torch.randint(0, 97, (1, n_prompt), generator=gen)
+        plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+        spec = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter, tree=tree,
+                               confidence_threshold=0.0)
+        assert spec.shape == plain.shape, (trial, n_prompt, n_new)
+        assert torch.equal(spec, plain), (trial, n_prompt, n_new)
+    if draft == "perfect":   # a perfect drafter is accepted in full
+        assert target.specla_stats.tau > 2
+
+
+@pytest.mark.parametrize("shape", [dict(v_heads=4), dict(conv=False), dict(neg_eig=True, gate=False)])
+def test_greedy_identical_other_shapes(shape, bad_drafter):
+    model = tiny_gdn(seed=21, **shape)
+    ids = torch.randint(0, 97, (1, 7))
+    plain = model.generate(ids, max_new_tokens=25, do_sample=False)
+    for drafter, tree in ((model, False), (model, True), (bad_drafter, True)):
+        spec = model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=drafter, tree=tree,
+                              confidence_threshold=0.0)
+        assert torch.equal(spec, plain)
+
+
+def test_target_called_once_per_verify_step(target):
+    drafter = copy.deepcopy(target)      # a perfect drafter, as a separate module so the hook counts the target only
+    calls = []
+    hook = target.model.embeddings.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    try:
+        ids = torch.randint(0, 97, (1, 12))
+        target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, confidence_threshold=0.0)
+    finally:
+        hook.remove()
+    stats = target.specla_stats
+    assert len(calls) == stats.target_calls == stats.steps + 1          # prefill + one pass per step
+    assert calls[0] == 11                                               # the prompt but its last token
+    # every verify pass carries exactly the pending token plus the drafts: no accepted token is run again
+    assert calls[1:] == [n + 1 for n in stats.draft_nodes]
+    assert sum(calls) == 11 + sum(stats.draft_nodes) + stats.steps
+
+
+def test_eos_inside_accepted_block_stops_where_plain_does():
+    model = tiny_gdn(seed=3)
+    ids = torch.randint(0, 97, (1, 5))
+    free = model.generate(ids, max_new_tokens=30, do_sample=False)
+    eos = int(free[0, 5 + 7])          # the 8th generated token becomes EOS: it sits inside an accepted block
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    plain = model.generate(ids, max_new_tokens=30, do_sample=False)
+    spec = model.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=model, confidence_threshold=0.0)
+    assert torch.equal(spec, plain)
+    assert spec[0, -1] == eos and (spec[0, 5:-1] != eos).all()
+    assert model.specla_stats.accepted[-1] > 0       # the stop happened within a block of accepted drafts
+
+
+def test_custom_stopping_criterion_and_exact_max_new_tokens(target):
+    class StopAfterToken(StoppingCriteria):
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == self.token
+
+    ids = torch.randint(0, 97, (1, 4))
+    free = target.generate(ids, max_new_tokens=20, do_sample=False)
+    crit = StoppingCriteriaList([StopAfterToken(int(free[0, 4 + 5]))])
+    plain = target.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=crit)
+    spec = target.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=crit, assistant_model=target,
+                           confidence_threshold=0.0)
+    assert torch.equal(plain, spec)
+    for n in (1, 2, 7, 13):
+        out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=target, confidence_threshold=0)
+        assert out.shape[1] == 4 + n
+
+
+def test_streamer_gets_the_same_tokens(target, bad_drafter):
+    ids = torch.randint(0, 97, (1, 6))
+    plain_s, spec_s = Collect(), Collect()
+    target.generate(ids, max_new_tokens=15, do_sample=False, streamer=plain_s)
+    target.generate(ids, max_new_tokens=15, do_sample=False, streamer=spec_s, assistant_model=bad_drafter)
+    flat = lambda chunks: [t for c in chunks for t in c]  # noqa: E731
+    assert flat(spec_s.chunks) == flat(plain_s.chunks)
+    assert spec_s.chunks[0] == ids[0].tolist() and spec_s.ended
+
+
+def test_return_dict_scores_and_stats(target):
+    ids = torch.randint(0, 97, (1, 6))
+    plain = target.generate(ids, max_new_tokens=9, do_sample=False, return_dict_in_generate=True,
+                            output_scores=True, output_logits=True)
+    spec = target.generate(ids, max_new_tokens=9, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                           output_logits=True, assistant_model=target, confidence_threshold=0.0)
+    assert torch.equal(plain.sequences, spec.sequences)
+    assert len(spec.scores) == len(plain.scores) == 9
+    for a, b in zip(plain.logits, spec.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    stats = spec.specla_stats
+    assert stats.new_tokens == 9 and stats.steps >= 1 and stats.tau == pytest.approx(9 / stats.steps)
+    assert stats.draft_time > 0 and stats.verify_time > 0
+
+
+def test_adaptive_drafting_shrinks_on_rejection(target, bad_drafter):
+    ids = torch.randint(0, 97, (1, 6))
+    target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=bad_drafter, draft_depth=8,
+                    confidence_threshold=0.0)
+    nodes = target.specla_stats.draft_nodes
+    assert nodes[0] == 8 and min(nodes) < 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling: chi-square goodness of fit against the target's exact distributions
+# ---------------------------------------------------------------------------------------------------------------
+def _exact_first_two(model, ids, processors):
+    """Exact law of (x1, x2) under plain sampling with the same processors."""
+    with torch.no_grad():
+        l1 = processors(ids, model(ids).logits[:, -1].float())
+        p1 = l1.softmax(-1)[0]
+        seqs = torch.cat([ids.expand(p1.numel(), -1), torch.arange(p1.numel())[:, None]], 1)
+        l2 = model(seqs).logits[:, -1].float()
+        p2 = torch.stack([processors(seqs[i:i + 1], l2[i:i + 1])[0] for i in range(p1.numel())]).softmax(-1)
+    return p1, p2
+
+
+def _chisq_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+    n = counts.sum()
+    keep = probs * n >= 5            # pool tiny cells
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]]).double()
+    exp = torch.cat([probs[keep] * n, (probs[~keep] * n).sum()[None]]).double()
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+        exp = exp * obs.sum() / exp.sum()
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def _sample_counts(target, drafter, ids, draws, tree, processors):
+    """Draw (x1, x2) with the loop generate() runs (called directly: 5000 generate() calls cost minutes on CPU)."""
+    V = target.config.vocab_size
+    c1, c12 = torch.zeros(V), torch.zeros(V * V)
+    runner = GDNRunner(target)
+    stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2)])
+    options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0)
+    for _ in range(draws):
+        out, *_ = speculative_decode(runner, GDNDrafter(drafter, options), ids, processors, stop, do_sample=True,
+                                     max_length=ids.shape[1] + 2)
+        x1, x2 = out[0, -2].item(), out[0, -1].item()
+        c1[x1] += 1
+        c12[x1 * V + x2] += 1
+    return c1, c12
+
+
+def test_generate_samples_through_the_same_loop(target, bad_drafter):
+    """generate(do_sample=True, assistant_model=...) is that loop with transformers' processors (same seed, same
+    tokens), so the statistical tests below cover it."""
+    ids = torch.randint(0, 97, (1, 5))
+    torch.manual_seed(7)
+    via_generate = target.generate(ids, max_new_tokens=12, do_sample=True, temperature=0.7, top_k=20,
+                                   assistant_model=bad_drafter, tree=True, confidence_threshold=0.0)
+    torch.manual_seed(7)
+    procs = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)])
+    direct, *_ = speculative_decode(GDNRunner(target), GDNDrafter(bad_drafter, draft_options(tree=True,
+                                    confidence_threshold=0.0)), ids, procs,
+                                    StoppingCriteriaList([MaxLengthCriteria(17)]), do_sample=True, max_length=17)
+    assert torch.equal(via_generate, direct)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_sampling_is_lossless(tree):
+    """5000 draws of (x1, x2) on a vocabulary of 8: the test detects a 2% shift of probability mass (see below)."""
+    torch.manual_seed(1234)
+    target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
+    drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
+    ids = torch.tensor([[1, 5, 2]])
+    procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
+    p1, p2 = _exact_first_two(target, ids, procs)
+    c1, c12 = _sample_counts(target, drafter, ids, 5000, tree, procs)
+    assert _chisq_pvalue(c1, p1) > 1e-3
+    assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
+    # power: moving 2% of the mass between two likely tokens must be caught at this sample size
+    biased = p1.clone()
+    a, b = p1.topk(2).indices
+    biased[a] -= 0.02
+    biased[b] += 0.02
+    expected_stat = 5000 * ((0.02 ** 2) / p1[a] + (0.02 ** 2) / p1[b])
+    assert expected_stat > 20          # chi-square noncentrality well past the 1e-3 critical value (~24 at df 7)
+
+
+def test_a_wrong_acceptance_rule_fails_the_sampling_test(monkeypatch):
+    """The statistical test has teeth: accepting drafts too eagerly (min(1, 2p)) is detected."""
+    import specla_hf.decoding as decoding
+    real_rand = torch.rand
+    monkeypatch.setattr(decoding.torch, "rand", lambda *a, **k: real_rand(*a, **k) / 2)
+    torch.manual_seed(99)
+    target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
+    drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
+    ids = torch.tensor([[1, 5, 2]])
+    p1, _ = _exact_first_two(target, ids, LogitsProcessorList())
+    c1, _ = _sample_counts(target, drafter, ids, 2000, False, LogitsProcessorList())
+    assert _chisq_pvalue(c1, p1) < 1e-3

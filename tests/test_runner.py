@@ -1,0 +1,118 @@
+"""GDNRunner against the stock fla model: consuming tokens, verifying trees, committing any accepted path."""
+import pytest
+import torch
+
+from conftest import tiny_gdn
+from specla_hf.gdn import GDNRunner
+from specla_kernels.reference import chain_parents, tree_ancestors
+from test_reference import random_parents
+
+SHAPES = {
+    "base": {},
+    "gva": dict(heads=2, v_heads=4),
+    "no_conv": dict(conv=False),
+    "no_gate": dict(gate=False),
+    "neg_eig": dict(neg_eig=True),
+    "unfused_norm": dict(fuse_norm=False, layers=3, hidden=48, head_dim=8, heads=3),
+}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_consuming_tokens_equals_fla_forward(name):
+    model = tiny_gdn(seed=5, **SHAPES[name])
+    ids = torch.randint(0, 97, (2, 23))
+    ref = model(ids).logits
+    runner = GDNRunner(model)
+    cache = runner.new_cache(2)
+    a = runner.forward(ids[:, :10], cache, logits_positions=slice(None)).logits
+    b = runner.forward(ids[:, 10:11], cache, logits_positions=slice(None)).logits
+    c = runner.forward(ids[:, 11:], cache, logits_positions=slice(None)).logits
+    torch.testing.assert_close(torch.cat([a, b, c], 1), ref, rtol=1e-4, atol=1e-5)
+    assert cache.get_seq_length() == 23
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("accept", [-1, 0, 3, 6])
+def test_verify_then_commit_equals_token_by_token(name, accept):
+    """Verify a chain of 7 from the committed state, commit `accept`, continue: all equal to plain recurrence."""
+    model = tiny_gdn(seed=6, **SHAPES[name])
+    runner = GDNRunner(model)
+    ids = torch.randint(0, 97, (1, 20))
+    cache = runner.new_cache()
+    runner.forward(ids[:, :8], cache)
+    state_before = [layer.state.clone() for layer in cache.layers]
+    out = runner.forward(ids[:, 8:15], cache, parents=chain_parents(7))
+    for layer, s in zip(cache.layers, state_before):   # the verify pass leaves the committed state untouched
+        assert torch.equal(layer.state, s)
+    cache.commit(accept)
+    kept = 8 + accept + 1
+    ref_cache = runner.new_cache()
+    ref_logits = runner.forward(ids[:, :15], ref_cache, logits_positions=slice(None)).logits
+    torch.testing.assert_close(out.logits, ref_logits[:, 8:15], rtol=1e-4, atol=1e-5)
+
+    ref_cache = runner.new_cache()
+    runner.forward(ids[:, :kept], ref_cache)
+    assert cache.get_seq_length() == kept
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(layer.state, ref_layer.state, rtol=1e-4, atol=1e-5)
+        if ref_layer.window is not None:
+            torch.testing.assert_close(layer.window, ref_layer.window)
+        assert layer.k_hat.shape[1] == 0            # factors cleared after commit
+    nxt = runner.forward(ids[:, kept:kept + 3], cache, logits_positions=slice(None)).logits
+    ref_nxt = runner.forward(ids[:, kept:kept + 3], ref_cache, logits_positions=slice(None)).logits
+    torch.testing.assert_close(nxt, ref_nxt, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["star", "bushy", "deep", "forest"])
+def test_tree_verify_equals_each_path(kind):
+    model = tiny_gdn(seed=7, v_heads=4)
+    runner = GDNRunner(model)
+    gen = torch.Generator().manual_seed(len(kind))
+    N = 9
+    parents = torch.tensor([random_parents(N, kind, gen)])
+    prompt = torch.randint(0, 97, (1, 6))
+    nodes = torch.randint(0, 97, (1, N))
+    cache = runner.new_cache()
+    runner.forward(prompt, cache)
+    out = runner.forward(nodes, cache, parents=parents).logits
+    anc = tree_ancestors(parents)[0]
+    for i in range(N):
+        path = anc[i].nonzero().flatten()
+        ref_cache = runner.new_cache()
+        seq = torch.cat([prompt, nodes[:, path]], 1)
+        ref = runner.forward(seq, ref_cache, logits_positions=slice(-1, None)).logits
+        torch.testing.assert_close(out[:, i], ref[:, 0], rtol=1e-4, atol=1e-5)
+    # commit a leaf: the state equals the one after consuming its path
+    leaf = N - 1
+    cache.commit(leaf)
+    ref_cache = runner.new_cache()
+    runner.forward(torch.cat([prompt, nodes[:, anc[leaf].nonzero().flatten()]], 1), ref_cache)
+    for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(layer.state, ref_layer.state, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.window, ref_layer.window)
+
+
+def test_tree_extension_equals_one_pass():
+    model = tiny_gdn(seed=8)
+    runner = GDNRunner(model)
+    prompt, nodes = torch.randint(0, 97, (1, 5)), torch.randint(0, 97, (1, 6))
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3]])
+    c1, c2 = runner.new_cache(), runner.new_cache()
+    runner.forward(prompt, c1)
+    runner.forward(prompt, c2)
+    whole = runner.forward(nodes, c1, parents=parents).logits
+    part = [runner.forward(nodes[:, :1], c2, parents=parents[:, :1]).logits,
+            runner.forward(nodes[:, 1:3], c2, parents=parents[:, 1:3]).logits,
+            runner.forward(nodes[:, 3:], c2, parents=parents[:, 3:]).logits]
+    torch.testing.assert_close(torch.cat(part, 1), whole, rtol=1e-4, atol=1e-5)
+
+
+def test_factor_memory_is_compact():
+    """Per draft node the cache keeps K + V + 1 numbers per head (+ raw conv inputs), never a state."""
+    model = tiny_gdn(seed=9)
+    runner = GDNRunner(model)
+    cache = runner.new_cache()
+    runner.forward(torch.randint(0, 97, (1, 4)), cache)
+    runner.forward(torch.randint(0, 97, (1, 16)), cache, parents=chain_parents(16))
+    state_bytes = sum(layer.state.numel() * 4 for layer in cache.layers)
+    assert cache.factor_bytes() < 16 * state_bytes / 4   # far below a snapshot per node
