@@ -79,13 +79,13 @@ def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter
 
 def _check_generation(model, input_ids, generation_config, model_kwargs) -> None:
     cfg = generation_config
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"SpecLA speculative decoding runs one sequence at a time (batch size 1); got batch size "
-                         f"{input_ids.shape[0]}. Loop over the prompts, or drop assistant_model for batched decoding.")
     if cfg.num_beams != 1:
         raise ValueError(f"num_beams={cfg.num_beams}: beam search cannot be combined with assistant_model")
     if cfg.num_return_sequences != 1:
         raise ValueError(f"num_return_sequences={cfg.num_return_sequences}: assisted generation returns one sequence")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"SpecLA speculative decoding runs one sequence at a time (batch size 1); got batch size "
+                         f"{input_ids.shape[0]}. Loop over the prompts, or drop assistant_model for batched decoding.")
     if cfg.output_attentions or cfg.output_hidden_states:
         raise ValueError("output_attentions / output_hidden_states are not available with SpecLA decoding (the "
                          "target runs tree passes); use output_scores / output_logits")
