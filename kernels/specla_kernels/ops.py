@@ -1,24 +1,81 @@
-"""Public entry points of the SpecLA ops. Until the Triton kernels land these run the torch reference everywhere;
-the kernels replace them on CUDA (and under TRITON_INTERPRET=1) with the same signatures."""
+"""Public entry points of the SpecLA kernels: the Triton kernel on CUDA tensors (and on any tensors when Triton was
+imported with ``TRITON_INTERPRET=1``, i.e. runs its interpreter), the pure-PyTorch reference otherwise.
+
+Every entry point is static-shape friendly: no host synchronisation, no ``.item()``, no Python loop over data, so the
+CUDA paths can be captured in CUDA graphs. The in-place commits keep that contract on the reference path by copying
+the reference result into the given tensors.
+"""
 from __future__ import annotations
 
 import torch
 
-from specla_kernels.reference import (commit_state_ref, commit_window_ref, tree_conv_ref,
-                                      tree_gated_delta_rule_ref)
+from specla_kernels import reference
+from specla_kernels import commit as _commit
+from specla_kernels import tree_conv as _tree_conv
+from specla_kernels import tree_delta as _tree_delta
+
+MAX_NODES = 128  # nodes of one verified tree chunk held in a kernel's registers
 
 
-def tree_gated_delta_rule(q, k, v, g, beta, parents, initial_state, scale=None, prefix=None):
-    return tree_gated_delta_rule_ref(q, k, v, g, beta, parents, initial_state, scale=scale, prefix=prefix)
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for tensors on ``x``'s device."""
+    return x.is_cuda or _tree_delta.INTERPRETED
 
 
-def tree_conv(x, weight, bias, window, parents, activation='silu'):
-    return tree_conv_ref(x, weight, bias, window, parents, activation)
+def tree_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify a token tree from the committed state: ``o``, ``k_hat``, ``u`` (see ``tree_gated_delta_rule_ref``).
+
+    The Triton kernel verifies one chunk of up to 128 nodes and takes no ``prefix``; other calls run the reference.
+    """
+    if use_triton(q) and prefix is None and k.shape[1] <= MAX_NODES:
+        return _tree_delta.tree_gated_delta_rule(q, k, v, g, beta, parents, initial_state, scale, prefix)
+    return reference.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, initial_state, scale, prefix)
 
 
-def commit_state_(state: torch.Tensor, k_hat, u, g, parents, accepted) -> torch.Tensor:
-    return state.copy_(commit_state_ref(state, k_hat, u, g, parents, accepted))
+def tree_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    window: torch.Tensor,
+    parents: torch.Tensor,
+    activation: str | None = 'silu',
+) -> torch.Tensor:
+    """Tree-aware depthwise short convolution (see ``tree_conv_ref``)."""
+    if use_triton(x):
+        return _tree_conv.tree_conv(x, weight, bias, window, parents, activation)
+    return reference.tree_conv_ref(x, weight, bias, window, parents, activation)
 
 
-def commit_window_(x, window: torch.Tensor, parents, accepted) -> torch.Tensor:
-    return window.copy_(commit_window_ref(x, window, parents, accepted))
+def commit_state_(
+    state: torch.Tensor,
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    parents: torch.Tensor,
+    accepted: torch.Tensor,
+) -> torch.Tensor:
+    """Apply the accepted path's factors to ``state`` in place (see ``commit_state_ref``); returns ``state``.
+
+    The Triton kernel handles up to 128 verified nodes (one tree chunk); more run the reference.
+    """
+    if use_triton(state) and k_hat.shape[1] <= MAX_NODES:
+        return _commit.commit_state_(state, k_hat, u, g, parents, accepted)
+    return state.copy_(reference.commit_state_ref(state, k_hat, u, g, parents, accepted))
+
+
+def commit_window_(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor,
+                   accepted: torch.Tensor) -> torch.Tensor:
+    """Move the conv window along the accepted path in place (see ``commit_window_ref``); returns ``window``."""
+    if use_triton(window):
+        return _commit.commit_window_(x, window, parents, accepted)
+    return window.copy_(reference.commit_window_ref(x, window, parents, accepted))

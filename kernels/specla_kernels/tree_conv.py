@@ -1,0 +1,78 @@
+"""Triton kernel: the depthwise short convolution over a token tree (:func:`specla_kernels.reference.tree_conv_ref`).
+
+Node ``i`` convolves its own raw input with those of its ``W-1`` nearest ancestors; where the path leaves the tree
+at distance ``s``, it reads column ``W - s + depth(i)`` of the committed window (fla layout ``[B, D, W]``, newest
+last), exactly what a plain sequence would have seen. Each program owns a block of nodes of one tree for a slice of
+channels and walks the parent pointers ``W-1`` steps, so no ancestor table is built and any node count works.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tree_conv_kernel(
+    x, weight, bias, window, parents, y,
+    N, D,
+    W: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    i_d, i_n, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i_n * BN + tl.arange(0, BN)
+    m_n = rows < N
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    m_nd = m_n[:, None] & m_d[None, :]
+    p_win = window + (i_b * D + o_d[None, :]).to(tl.int64) * W
+
+    b_y = tl.zeros([BN, BD], dtype=tl.float32)
+    if HAS_BIAS:
+        b_y += tl.load(bias + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
+    cur = tl.where(m_n, rows, -1)                  # the node `s` steps above each node, -1 once off the tree
+    depth = tl.zeros([BN], dtype=tl.int32)         # steps that stayed inside the tree so far
+    for s in tl.static_range(W):
+        if s > 0:
+            cur = tl.load(parents + i_b * N + cur, mask=cur >= 0, other=-1).to(tl.int32)
+        inside = cur >= 0
+        from_tree = tl.load(x + (i_b * N + cur[:, None]).to(tl.int64) * D + o_d[None, :],
+                            mask=m_nd & inside[:, None], other=0.)
+        # the committed window stores W inputs, newest last; distance s past the root is column W - s + depth
+        from_win = tl.load(p_win + (W - s + depth)[:, None], mask=m_nd & (~inside)[:, None], other=0.)
+        b_x = tl.where(inside[:, None], from_tree, from_win.to(x.dtype.element_ty)).to(tl.float32)
+        b_w = tl.load(weight + o_d * W + (W - 1 - s), mask=m_d, other=0.).to(tl.float32)
+        b_y += b_x * b_w[None, :]
+        if s > 0:
+            depth += inside.to(tl.int32)
+    if SILU:
+        b_y = b_y * tl.sigmoid(b_y)
+    tl.store(y + (i_b * N + rows[:, None]).to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_nd)
+
+
+def tree_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    window: torch.Tensor,
+    parents: torch.Tensor,
+    activation: str | None = 'silu',
+) -> torch.Tensor:
+    """Triton twin of ``tree_conv_ref``: ``x [B,N,D]`` raw inputs, ``weight [D,W]``, ``window [B,D,W]``,
+    ``parents [B,N]``; returns ``[B,N,D]`` in the dtype of x."""
+    B, N, D = x.shape
+    W = weight.shape[-1]
+    if activation not in (None, 'silu', 'swish'):
+        raise ValueError(f"unsupported activation {activation!r}")
+    BN = min(64, triton.next_power_of_2(N))
+    BD = max(16, min(triton.next_power_of_2(D), 1024 // BN))
+    y = x.new_empty(B, N, D)
+    grid = (triton.cdiv(D, BD), triton.cdiv(N, BN), B)
+    tree_conv_kernel[grid](
+        x.contiguous(), weight.contiguous(), bias if bias is not None else x, window.contiguous(), parents.contiguous(),
+        y, N, D, W=W, BN=BN, BD=BD, HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4,
+    )
+    return y

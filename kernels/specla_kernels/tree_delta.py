@@ -1,0 +1,238 @@
+"""Triton kernel: the gated delta rule over a token tree, in one pass from the committed state.
+
+Semantics are those of :func:`specla_kernels.reference.tree_gated_delta_rule_ref` (without ``prefix``). For one value
+head, with ``A(i)`` the ancestors of node ``i`` (itself included) and ``Γ_i = Σ_{j∈A(i)} g_j``:
+
+    (I + L) U = R,   L_ij = β_i e^{Γ_i-Γ_j} (k̂_i·k̂_j)  for j a strict ancestor of i,   R_i = β_i (v_i - e^{Γ_i} S₀ k̂_i)
+    o_i = e^{Γ_i} S₀ q̂_i + Σ_{j∈A(i)} e^{Γ_i-Γ_j} (q̂_i·k̂_j) u_j
+
+which is one chunk of fla's WY/UT form with the causal mask replaced by the ancestor mask. One program owns one
+(batch, value head, block of V) and keeps every N x N quantity in registers: nothing per node but ``o``, ``u`` and
+``k̂`` is written, and the only large read is the committed state, once.
+
+How the pieces are computed, and why:
+- Ancestor mask: ``M = I + P`` (``P`` the one-hot parent matrix) squared ``ceil(log2 N)`` times with exact fp16 dots
+  (entries are path counts <= N, clipped to 1 after each product): log-depth, tensor cores, no gathers. The mask is
+  rebuilt by every program (it costs a few small dots) rather than passed in, so the op keeps the reference's signature.
+- k and q are l2-normalised *after* the products (``k̂_i·k̂_j = (k_i·k_j) r_i r_j``), so the K loop multiplies the raw
+  inputs: for bf16 inputs these products are exact in bf16 dots with fp32 accumulation. The fp32 state is split into
+  two bf16 halves (hi + lo, ~16 mantissa bits) for ``S₀k`` and ``S₀q``; fp32/fp16 inputs use tf32x3 dots instead.
+- The solve: ``I + L = (I + L_D)(I + X L_O)`` with ``L_D`` its BC x BC diagonal blocks and ``X = (I + L_D)^{-1}``.
+  ``X`` is built for all blocks at once by BC steps of forward substitution on a ``[NC, BC, BC]`` view; then
+  ``U = XR - (X L_O) U`` is resolved block row by block row (``NC - 1`` dots), like fla's 16x16 merge in
+  ``solve_tril`` but without leaving registers. Padded nodes (N < BN) have zero k and v and no descendants, so they
+  stay zero and are masked on store.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+@triton.jit
+def tree_gdn_fwd_kernel(
+    q, k, v, g, beta, parents, h0,         # inputs
+    o, k_hat, u,                           # outputs
+    scale, N, n_sq,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BN: tl.constexpr,                      # nodes, padded to a power of two >= 16 (tl.dot needs 16)
+    BC: tl.constexpr,                      # diagonal block of the solve
+    BK: tl.constexpr,                      # K chunk of the contraction loop
+    BV: tl.constexpr,                      # V slice owned by this program
+    BF16_DOT: tl.constexpr,                # inputs are bf16: exact bf16 products, state split hi/lo
+    OUT_FP32: tl.constexpr,                # o is fp32: its last product also in tf32x3
+    LATE_QK: tl.constexpr,                 # form q.k after the solve (large BN: frees a [BN, BN] tile)
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    NC: tl.constexpr = BN // BC
+
+    rows = tl.arange(0, BN)
+    m_n = rows < N
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    tok = (i_b * N + rows).to(tl.int64)            # token index into [B, N, ...]
+
+    # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred) and the squared norms
+    b_kk = tl.zeros([BN, BN], dtype=tl.float32)
+    b_qk = tl.zeros([BN, BN], dtype=tl.float32)
+    b_ks = tl.zeros([BN, BV], dtype=tl.float32)
+    b_qs = tl.zeros([BN, BV], dtype=tl.float32)
+    nk = tl.zeros([BN], dtype=tl.float32)
+    nq = tl.zeros([BN], dtype=tl.float32)
+    p_h0 = h0 + i_bh.to(tl.int64) * V * K
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        m_nk = m_n[:, None] & m_k[None, :]
+        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.)
+        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.)
+        b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.)
+        b_kf = b_k.to(tl.float32)
+        b_qf = b_q.to(tl.float32)
+        nk += tl.sum(b_kf * b_kf, 1)
+        nq += tl.sum(b_qf * b_qf, 1)
+        if BF16_DOT:
+            s_hi = b_s.to(tl.bfloat16)
+            s_lo = (b_s - s_hi.to(tl.float32)).to(tl.bfloat16)
+            b_kk += tl.dot(b_k, tl.trans(b_k))
+            b_ks += tl.dot(b_k, tl.trans(s_hi)) + tl.dot(b_k, tl.trans(s_lo))
+            b_qs += tl.dot(b_q, tl.trans(s_hi)) + tl.dot(b_q, tl.trans(s_lo))
+            if not LATE_QK:
+                b_qk += tl.dot(b_q, tl.trans(b_k))
+        else:
+            b_kk += tl.dot(b_kf, tl.trans(b_kf), input_precision="tf32x3")
+            b_ks += tl.dot(b_kf, tl.trans(b_s), input_precision="tf32x3")
+            b_qs += tl.dot(b_qf, tl.trans(b_s), input_precision="tf32x3")
+            if not LATE_QK:
+                b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision="tf32x3")
+    rk = 1. / tl.sqrt(nk + 1e-6)
+    rq = scale / tl.sqrt(nq + 1e-6)
+
+    # ---- topology: ancestor mask, path log-decay Γ, pairwise decay e^{Γ_i - Γ_j} on ancestor pairs
+    # anc[i, j]: j is i or an ancestor of i. M = I + P covers paths of length <= 1 and each clipped square doubles
+    # that, so n_sq = ceil(log2 N) squares cover the tree; fp16 holds the 0/1 operands and fp32 the counts exactly.
+    p_n = tl.load(parents + i_b * N + rows, mask=m_n, other=-1).to(tl.int32)
+    b_m = ((rows[:, None] == rows[None, :]) | (p_n[:, None] == rows[None, :])).to(tl.float16)
+    for _ in range(n_sq):
+        b_m = tl.minimum(tl.dot(b_m, b_m), 1.0).to(tl.float16)
+    anc = b_m > 0
+    b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
+    gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
+    eg = tl.exp(gam)
+    # Γ_i - Γ_j <= 0 on ancestor pairs; clamp before exp so that non-ancestor pairs cannot overflow
+    decay = tl.where(anc, tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.)), 0.)
+    if not LATE_QK:
+        b_p = decay * b_qk
+
+    # ---- right-hand side and the ancestor-masked system (I + L) U = R
+    b_vv = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
+                   other=0.).to(tl.float32)
+    b_r = b_beta[:, None] * (b_vv - (eg * rk)[:, None] * b_ks)
+    b_l = tl.where(rows[:, None] != rows[None, :], (b_beta * rk)[:, None] * decay * b_kk * rk[None, :], 0.)
+
+    # X = (I + L_D)^{-1} for every BC x BC diagonal block at once, on a [NC, BC, BC] view
+    blk = rows // BC
+    same_blk = blk[:, None] == blk[None, :]
+    l_diag = tl.sum(tl.reshape(tl.where(same_blk, b_l, 0.), [NC, BC, NC, BC]), 2)    # other blocks are zero
+    i3 = tl.arange(0, BC)[None, :, None]
+    j3 = tl.arange(0, BC)[None, None, :]
+    x3 = tl.where(i3 == j3, 1., 0.) + tl.zeros([NC, BC, BC], dtype=tl.float32)
+    for s in range(1, tl.minimum(N, BC)):
+        # row s of each block: x_s = e_s - Σ_{j<s} L_sj x_j (rows j < s are final; L_D is strictly lower)
+        l_s = tl.sum(tl.where(i3 == s, l_diag, 0.), 1)                               # [NC, BC]
+        x_s = tl.sum(l_s[:, :, None] * x3, 1)                                        # [NC, BC]
+        x3 = x3 - tl.where(i3 == s, x_s[:, None, :], 0.)
+    c_a = tl.arange(0, NC)[:, None, None, None]
+    c_b = tl.arange(0, NC)[None, None, :, None]
+    b_x = tl.reshape(tl.where(c_a == c_b, x3[:, :, None, :], 0.), [BN, BN])           # block diagonal
+
+    # (I + L_D) U = R - L_O U  =>  U = XR - (X L_O) U, resolved one block row at a time
+    b_xl = tl.dot(b_x, tl.where(same_blk, 0., b_l), input_precision="tf32x3")
+    b_xr = tl.dot(b_x, b_r, input_precision="tf32x3")
+    b_u = b_xr
+    for c in range(1, tl.cdiv(N, BC)):
+        b_u = tl.where((blk == c)[:, None], b_xr - tl.dot(b_xl, b_u, input_precision="tf32x3"), b_u)
+
+    # ---- outputs: o = e^Γ S0 q̂ + (ancestor-masked decayed q̂ k̂^T) U
+    if LATE_QK:
+        # large trees: q.k is formed only now, so that it does not hold registers through the solve
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_nk = m_n[:, None] & (o_k < K)[None, :]
+            b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.)
+            b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.)
+            if BF16_DOT:
+                b_qk += tl.dot(b_q, tl.trans(b_k))
+            else:
+                b_qk += tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="tf32x3")
+        b_p = decay * b_qk
+    b_p = rq[:, None] * b_p * rk[None, :]
+    if OUT_FP32:
+        b_o = tl.dot(b_p, b_u, input_precision="tf32x3")
+    else:
+        b_o = tl.dot(b_p, b_u)
+    b_o += (eg * rq)[:, None] * b_qs
+    m_nv = m_n[:, None] & m_v[None, :]
+    p_nv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
+    tl.store(u + p_nv, b_u, mask=m_nv)
+    tl.store(o + p_nv, b_o.to(o.dtype.element_ty), mask=m_nv)
+
+    # k̂ belongs to the key head: the first V slice of the first value head of its group writes it
+    if (i_v == 0) & (i_hv % (HV // H) == 0):
+        nrm = tl.sqrt(nk + 1e-6)
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_nk = m_n[:, None] & (o_k < K)[None, :]
+            p_k = (tok[:, None] * H + i_h) * K + o_k[None, :]
+            b_k = tl.load(k + p_k, mask=m_nk, other=0.).to(tl.float32)
+            tl.store(k_hat + p_k, b_k / nrm[:, None], mask=m_nk)
+
+
+# Whether Triton runs these kernels in its interpreter (TRITON_INTERPRET=1 when Triton was imported). The interpreter
+# multiplies bf16 tl.dot operands as their raw uint16 bits, so interpreted runs take the fp32 (tf32x3) branch, which
+# computes the same function.
+INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
+
+
+def tree_config(n: int, batch_heads: int, v_dim: int) -> dict[str, int]:
+    """Launch shape for ``n`` nodes: padded node count, solve block, V slice and warps.
+
+    Small trees are bound by the state read, so they take narrow V slices (more programs pulling the state); large
+    ones by the N x N work, so they take wider slices and more warps for their [BN, BN] register tiles.
+    """
+    BN = max(16, triton.next_power_of_2(n))
+    BV = 16 if BN <= 32 else 32
+    return dict(BN=BN, BC=16 if BN <= 64 else 32, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
+                num_warps=4 if BN <= 32 else 8)
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of ``tree_gated_delta_rule_ref``: returns ``o [B,N,HV,V]`` (dtype of v), ``k_hat [B,N,H,K]`` and
+    ``u [B,N,HV,V]`` (fp32), writing no per-node state. ``block_v``/``num_warps`` override the launch shape."""
+    if prefix is not None:
+        raise ValueError("tree_gated_delta_rule (Triton) does not take `prefix`; use tree_gated_delta_rule_ref")
+    B, N, H, K = k.shape
+    HV, V = v.shape[-2:]
+    if not 1 <= N <= 128:
+        raise ValueError(f"one tree chunk holds 1..128 nodes, got {N}")
+    if HV % H:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
+    scale = K ** -0.5 if scale is None else scale
+    cfg = tree_config(N, B * HV, V)
+    BV = block_v or cfg['BV']
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(v)
+    k_hat = k.new_empty(B, N, H, K, dtype=torch.float32)
+    u = v.new_empty(B, N, HV, V, dtype=torch.float32)
+    grid = (triton.cdiv(V, BV), B * HV)
+    tree_gdn_fwd_kernel[grid](
+        q, k, v, g.contiguous(), beta.contiguous(), parents.contiguous(), initial_state.contiguous(),
+        o, k_hat, u,
+        scale, N, (N - 1).bit_length(),
+        H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(64, triton.next_power_of_2(K))), BV=BV,
+        BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
+        OUT_FP32=v.dtype == torch.float32,
+        LATE_QK=cfg['BN'] > 64,
+        num_warps=num_warps or cfg['num_warps'],
+    )
+    return o, k_hat, u

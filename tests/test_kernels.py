@@ -1,0 +1,307 @@
+"""Triton kernels against the torch reference.
+
+CPU cases run the kernels in Triton's interpreter at tiny, deliberately awkward sizes. ``TRITON_INTERPRET=1`` must be
+set before Triton is imported, and conftest imports it (through fla) before this module, so a plain run hands the CPU
+cases to a child pytest started with the variable set (``test_cpu_cases_under_interpreter``); the variable never
+leaks into other test modules. With a GPU the same tests run compiled at the fla 1.3B GDN shapes (K=256, V=512,
+6 heads). Every check draws fresh random inputs and random tree topologies, and every output buffer the kernels
+allocate starts poisoned with NaN, so an element a kernel forgets to write fails the test.
+"""
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from specla_kernels import ops
+from specla_kernels import reference as ref
+from specla_kernels.commit import commit_state_, commit_window_
+from specla_kernels.tree_conv import tree_conv
+from specla_kernels.tree_delta import INTERPRETED, tree_gated_delta_rule
+
+DEVICES = [
+    pytest.param("cpu", marks=[pytest.mark.interpret, pytest.mark.skipif(
+        not INTERPRETED, reason="run by test_cpu_cases_under_interpreter in a child with TRITON_INTERPRET=1")]),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
+# (B, H, HV, K, V): tiny, non-power-of-two, grouped value heads on CPU; the 1.3B layer (and its GVA twin) on CUDA
+SHAPES = {"cpu": [(2, 1, 2, 20, 24), (1, 2, 2, 24, 40)], "cuda": [(1, 6, 6, 256, 512), (2, 3, 6, 256, 512)]}
+# node counts per topology
+SIZES = {"cpu": dict(chain=19, star=7, deep=33, bushy=45, single=1, forest=23),
+         "cuda": dict(chain=64, star=16, deep=128, bushy=100, single=1, forest=37)}
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
+
+
+def seeded(*key) -> torch.Generator:
+    """A generator seeded from the test case, so that a failure reproduces."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(out: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    assert out.shape == want.shape, what
+    assert torch.isfinite(out).all(), f"{what}: NaN/inf (an element was not written?)"
+    err = rel(out, want)
+    assert err < tol, f"{what}: rel err {err:.2e} >= {tol:.0e}"
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocations(monkeypatch):
+    """Every floating tensor the kernels' wrappers allocate with ``empty_like``/``new_empty`` starts as NaN."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(new_empty(self, *a, **kw)))
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(INTERPRETED, reason="this process already interprets: the CPU cases run here")
+def test_cpu_cases_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider",
+                          "-k", "cpu and not test_cpu_cases_under_interpreter"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    summary = [line for line in run.stdout.splitlines() if " passed" in line]
+    assert summary and "skipped" not in summary[-1], run.stdout[-2000:]       # every CPU case really ran
+
+
+def random_parents(kind: str, batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Parent pointers (``parents[b, i] < i``, -1 = child of the committed state); each batch row its own tree."""
+    rows = []
+    for _ in range(batch):
+        r = torch.rand(n, generator=gen)
+        p = []
+        for i in range(n):
+            if kind == "chain":
+                p.append(i - 1)
+            elif kind == "star":
+                p.append(-1 if i == 0 else 0)
+            elif kind == "deep":        # mostly a chain, with side branches
+                p.append(i - 1 if r[i] < 0.85 or i < 2 else int(torch.randint(0, i, (1,), generator=gen)))
+            elif kind == "bushy":       # random recursive tree: shallow, many children per node
+                p.append(int(torch.randint(-1, i, (1,), generator=gen)) if i else -1)
+            elif kind == "forest":      # several roots on the committed state
+                p.append(-1 if i == 0 or r[i] < 0.3 else int(torch.randint(0, i, (1,), generator=gen)))
+            elif kind == "single":
+                p.append(-1)
+        rows.append(p)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def gdn_inputs(B, N, H, HV, K, V, dtype, device, gen):
+    """q, k, v in ``dtype`` and the fp32 gates, as fla's layer would produce them (g <= 0, beta in (0, 1))."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+    q, k, v = rnd(B, N, H, K).to(dtype), rnd(B, N, H, K).to(dtype), rnd(B, N, HV, V).to(dtype)
+    g = -torch.rand(B, N, HV, generator=gen).to(device) * 0.3
+    beta = torch.rand(B, N, HV, generator=gen).to(device)
+    state = rnd(B, HV, V, K) * 0.5
+    return q, k, v, g, beta, state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gated delta rule over a tree
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["chain", "star", "deep", "bushy", "single", "forest"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tree_delta_matches_reference(device, kind, dtype):
+    gen = seeded(kind, dtype)
+    B, H, HV, K, V = SHAPES[device][dtype == torch.bfloat16]
+    N = SIZES[device][kind]
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, dtype, device, gen)
+    parents = random_parents(kind, B, N, gen).to(device)
+    state_before = state.clone()
+    o, k_hat, u = tree_gated_delta_rule(q, k, v, g, beta, parents, state)
+    o_ref, k_hat_ref, u_ref = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
+    assert o.dtype == v.dtype and k_hat.dtype == u.dtype == torch.float32
+    check(o, o_ref, TOL[dtype], "o")
+    check(k_hat, k_hat_ref, TOL[dtype], "k_hat")
+    check(u, u_ref, TOL[dtype], "u")
+    assert torch.equal(state, state_before), "verification must not touch the committed state"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_equals_its_paths(device):
+    """Verifying a tree gives, at every node, what verifying its root-to-node path as a chain gives."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, HV, K, V = SHAPES[device][1]
+    N = SIZES[device]["bushy"]
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, torch.float32, device, gen)
+    parents = random_parents("bushy", B, N, gen).to(device)
+    o, k_hat, u = tree_gated_delta_rule(q, k, v, g, beta, parents, state)
+    anc = ref.tree_ancestors(parents.cpu())
+    for b in range(B):
+        leaves = [i for i in range(N) if not (parents[b] == i).any()]
+        for leaf in leaves[:4]:
+            path = torch.nonzero(anc[b, leaf]).flatten().to(device)     # ancestors in index (= path) order
+            pick = lambda t: t[b:b + 1, path]                            # noqa: E731
+            chain = ref.chain_parents(len(path), 1, device=device)
+            o_p, _, u_p = tree_gated_delta_rule(pick(q), pick(k), pick(v), pick(g), pick(beta), chain, state[b:b + 1])
+            check(o[b:b + 1, path], o_p, 1e-4, f"o on path to {leaf}")
+            check(u[b:b + 1, path], u_p, 1e-4, f"u on path to {leaf}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chain_verify_then_commit_equals_recurrence(device):
+    """A chain verified in one pass and committed at node m equals fla's token-by-token recurrence over m+1 tokens."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, HV, K, V = SHAPES[device][1]
+    N = SIZES[device]["chain"]
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, torch.float32, device, gen)
+    o, k_hat, u = tree_gated_delta_rule(q, k, v, g, beta, ref.chain_parents(N, B, device=device), state)
+    o_rec, _ = ref.recurrent_gated_delta_rule_ref(q, k, v, g, beta, state)
+    check(o, o_rec, 1e-3, "o vs recurrence")
+    m = N // 2
+    s = state.clone()
+    commit_state_(s, k_hat, u, g, ref.chain_parents(N, B, device=device), torch.full((B,), m, device=device))
+    _, s_rec = ref.recurrent_gated_delta_rule_ref(q[:, :m + 1], k[:, :m + 1], v[:, :m + 1], g[:, :m + 1],
+                                                  beta[:, :m + 1], state)
+    check(s, s_rec, 1e-3, "committed state vs recurrence")
+
+
+def test_tree_delta_rejects_prefix():
+    q = torch.zeros(1, 2, 1, 16)
+    with pytest.raises(ValueError):
+        tree_gated_delta_rule(q, q, q, q[..., 0], q[..., 0], ref.chain_parents(2), torch.zeros(1, 1, 16, 16),
+                              prefix=(q, q, q[..., 0]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# commit
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["chain", "bushy", "forest", "single"])
+def test_commit_state_matches_reference(device, kind):
+    gen = seeded(kind, 'commit')
+    B, H, HV, K, V = SHAPES[device][0]
+    B = 3
+    Nt = SIZES[device][kind]
+    k_hat = ref.l2norm(torch.randn(B, Nt, H, K, generator=gen)).to(device)
+    u = torch.randn(B, Nt, HV, V, generator=gen).to(device)
+    g = (-torch.rand(B, Nt, HV, generator=gen) * 0.3).to(device)
+    parents = random_parents(kind, B, Nt, gen).to(device)
+    state = torch.randn(B, HV, V, K, generator=gen).to(device)
+    accepted = torch.tensor([-1, Nt - 1, int(torch.randint(0, Nt, (1,), generator=gen))], device=device)
+    want = ref.commit_state_ref(state, k_hat, u, g, parents, accepted)
+    s = state.clone()
+    assert commit_state_(s, k_hat, u, g, parents, accepted) is s
+    check(s, want, 1e-3, "state")
+    assert torch.equal(s[0], state[0]), "accepted == -1 must leave the state untouched"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["deep", "bushy", "forest"])
+def test_verify_then_commit_equals_recurrence_along_path(device, kind):
+    """Factors from the tree kernel, committed at a node, give the state of the recurrence along that node's path."""
+    gen = seeded(kind, 'path')
+    B, H, HV, K, V = SHAPES[device][1]
+    N = SIZES[device][kind]
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, torch.bfloat16, device, gen)
+    parents = random_parents(kind, B, N, gen).to(device)
+    _, k_hat, u = tree_gated_delta_rule(q, k, v, g, beta, parents, state)
+    accepted = torch.randint(0, N, (B,), generator=gen).to(device)
+    s = state.clone()
+    commit_state_(s, k_hat, u, g, parents, accepted)
+    anc = ref.tree_ancestors(parents.cpu())
+    for b in range(B):
+        path = torch.nonzero(anc[b, int(accepted[b])]).flatten().to(device)
+        pick = lambda t: t[b:b + 1, path]                                # noqa: E731
+        _, s_rec = ref.recurrent_gated_delta_rule_ref(pick(q), pick(k), pick(v), pick(g), pick(beta),
+                                                      state[b:b + 1])
+        check(s[b:b + 1], s_rec, 1e-2, f"state after path to {int(accepted[b])}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# short convolution
+# ----------------------------------------------------------------------------------------------------------------
+CONV = {"cpu": [(2, 40, 4), (3, 24, 3)], "cuda": [(1, 1536, 4), (2, 3072, 4)]}   # (B, D, W)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["chain", "deep", "bushy", "single", "forest"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tree_conv_matches_reference(device, kind, dtype):
+    gen = seeded(kind, dtype, 'conv')
+    for B, D, W in CONV[device]:
+        N = SIZES[device][kind]
+        x = torch.randn(B, N, D, generator=gen).to(device, dtype)
+        window = torch.randn(B, D, W, generator=gen).to(device, dtype)
+        weight = torch.randn(D, W, generator=gen).to(device)
+        bias = torch.randn(D, generator=gen).to(device)
+        parents = random_parents(kind, B, N, gen).to(device)
+        for b_, act in [(bias, "silu"), (None, None)]:
+            y = tree_conv(x, weight, b_, window, parents, act)
+            assert y.dtype == dtype
+            check(y, ref.tree_conv_ref(x, weight, b_, window, parents, act), TOL[dtype], f"y (bias={b_ is not None})")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_conv_on_chain_equals_sequence_conv(device):
+    gen = torch.Generator().manual_seed(3)
+    B, D, W = CONV[device][0]
+    N = SIZES[device]["chain"]
+    x = torch.randn(B, N, D, generator=gen).to(device)
+    window = torch.randn(B, D, W, generator=gen).to(device)
+    weight, bias = torch.randn(D, W, generator=gen).to(device), torch.randn(D, generator=gen).to(device)
+    y = tree_conv(x, weight, bias, window, ref.chain_parents(N, B, device=device))
+    y_seq, new_window = ref.conv_sequence_ref(x, weight, bias, window)
+    check(y, y_seq, 1e-5, "y vs sequence conv")
+    w = window.clone()
+    commit_window_(x, w, ref.chain_parents(N, B, device=device), torch.full((B,), N - 1, device=device))
+    assert torch.equal(w, new_window)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["chain", "deep", "bushy", "single", "forest"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_commit_window_matches_reference(device, kind, dtype):
+    gen = seeded(kind, dtype, 'window')
+    for _, D, W in CONV[device]:
+        B, N = 3, SIZES[device][kind]
+        x = torch.randn(B, N, D, generator=gen).to(device, dtype)
+        window = torch.randn(B, D, W, generator=gen).to(device, dtype)
+        parents = random_parents(kind, B, N, gen).to(device)
+        accepted = torch.tensor([-1, N - 1, int(torch.randint(0, N, (1,), generator=gen))], device=device)
+        want = ref.commit_window_ref(x, window, parents, accepted)
+        w = window.clone()
+        assert commit_window_(x, w, parents, accepted) is w
+        assert torch.equal(w, want)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public entry points
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_dispatch(device):
+    """ops runs the kernels where Triton runs, and routes what the kernels do not take (prefix) to the reference."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, HV, K, V = SHAPES[device][0]
+    N = 9
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, torch.float32, device, gen)
+    parents = random_parents("bushy", B, N, gen).to(device)
+    assert ops.use_triton(q)
+    for got, want in zip(ops.tree_gated_delta_rule(q, k, v, g, beta, parents, state),
+                         ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)):
+        check(got, want, 1e-3, "ops.tree_gated_delta_rule")
+    # a second tree hanging off the first (prefix) goes to the reference
+    prefix = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)[1:] + (g,)
+    parents2 = torch.cat([parents, torch.full((B, 2), N - 1, device=device)], 1)
+    o2, _, _ = ops.tree_gated_delta_rule(q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2], parents2, state,
+                                         prefix=prefix)
+    assert torch.isfinite(o2).all()
+    accepted = torch.tensor([N - 1] * B, device=device)
+    _, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, state)
+    s = state.clone()
+    assert ops.commit_state_(s, k_hat, u, g, parents, accepted) is s
+    check(s, ref.commit_state_ref(state, k_hat, u, g, parents, accepted), 1e-3, "ops.commit_state_")
