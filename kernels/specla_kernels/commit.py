@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nt"])
 def commit_state_kernel(
     state, k_hat, u, g, parents, accepted,
     Nt,
@@ -65,7 +65,7 @@ def commit_state_kernel(
             tl.store(p_sk, b_s, mask=m_sk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nt"])
 def commit_window_kernel(
     x, window, parents, accepted,
     Nt, D,

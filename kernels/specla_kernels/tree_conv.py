@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def tree_conv_kernel(
     x, weight, bias, window, parents, y,
     N, D,

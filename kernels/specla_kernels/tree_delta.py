@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "n_sq"])   # one binary per padded size, whatever N is
 def tree_gdn_fwd_kernel(
     q, k, v, g, beta, parents, h0,         # inputs
     o, k_hat, u,                           # outputs
@@ -181,7 +181,7 @@ def tree_gdn_fwd_kernel(
 INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 
 
-def tree_config(n: int, batch_heads: int, v_dim: int) -> dict[str, int]:
+def tree_config(n: int, v_dim: int) -> dict[str, int]:
     """Launch shape for ``n`` nodes: padded node count, solve block, V slice and warps.
 
     Small trees are bound by the state read, so they take narrow V slices (more programs pulling the state); large
@@ -218,7 +218,7 @@ def tree_gated_delta_rule(
     if HV % H:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
     scale = K ** -0.5 if scale is None else scale
-    cfg = tree_config(N, B * HV, V)
+    cfg = tree_config(N, V)
     BV = block_v or cfg['BV']
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(v)

@@ -1,0 +1,230 @@
+"""GPU microbenchmark of the SpecLA Triton kernels at the fla 1.3B GDN shape (21 layers, 6 heads, K=256, V=512, bf16,
+batch 1). It checks, then times, and prints a markdown table last; with ``$OUT`` set it writes the numbers to
+``$OUT/bench_kernels.json``.
+
+    python benchmarks/bench_kernels.py [--quick]
+
+For N in {1, 4, 16, 32, 64, 128} draft nodes it times, each as a CUDA graph replay (median of
+``triton.testing.do_bench``, which flushes L2 before every replay), for one layer and for all 21 layers (each layer its
+own state and inputs, 63 MiB of states in all):
+- ``tree``: our tree verify on a random tree (writes o, u, k_hat; no per-node state);
+- ``fla chain``: fla's ``fused_recurrent_gated_delta_rule`` on a chain of N tokens (outputs only);
+- ``snapshot``: the tree verified the snapshot way: fla's fused_recurrent once per node from its parent's state,
+  writing a full [HV, V, K] fp32 state per node;
+- ``commit``: ``commit_state_`` + ``commit_window_`` of the tree's deepest path.
+and it reports bytes moved against the measured device-to-device copy bandwidth, and factor vs snapshot memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+from specla_kernels import reference as ref
+from specla_kernels.commit import commit_state_, commit_window_
+from specla_kernels.tree_conv import tree_conv
+from specla_kernels.tree_delta import tree_config, tree_gated_delta_rule
+
+LAYERS, H, HV, K, V, B = 21, 6, 6, 256, 512, 1
+CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share one depthwise conv of width 4
+NODES = (1, 4, 16, 32, 64, 128)
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+
+
+def bench_graph(fn, rep_ms: int = 60) -> float:
+    """Median milliseconds of one replay of a CUDA graph that holds ``fn()`` (warmed up and compiled first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median")
+
+
+def deep_tree(n: int, gen: torch.Generator) -> torch.Tensor:
+    """A tree drafted the EAGLE way looks like a main chain with side branches: extend the chain with probability
+    0.7, else branch off a random earlier node."""
+    p = []
+    for i in range(n):
+        if i == 0:
+            p.append(-1)
+        elif torch.rand(1, generator=gen).item() < 0.7:
+            p.append(i - 1)
+        else:
+            p.append(int(torch.randint(-1, i - 1, (1,), generator=gen)))
+    return torch.tensor([p], dtype=torch.long)
+
+
+def layer_inputs(n: int, gen: torch.Generator, dev: str) -> dict:
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dev)
+    return dict(q=rnd(B, n, H, K).to(DTYPE), k=rnd(B, n, H, K).to(DTYPE), v=rnd(B, n, HV, V).to(DTYPE),
+                g=-torch.rand(B, n, HV, generator=gen).to(dev) * 0.3, beta=torch.rand(B, n, HV, generator=gen).to(dev),
+                state=rnd(B, HV, V, K) * 0.5, x=rnd(B, n, CONV_D).to(DTYPE), window=rnd(B, CONV_D, CONV_W).to(DTYPE))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and no launch-shape sweep")
+    args = ap.parse_args()
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+
+    dev = DEVICE
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(0)
+    nodes = (1, 16, 64) if args.quick else NODES
+    out: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                     shape=dict(layers=LAYERS, H=H, HV=HV, K=K, V=V, batch=B, dtype=str(DTYPE)), rows=[])
+
+    # ---- ceilings: copy bandwidth and the cost of launching 21 trivial kernels from a graph
+    src = torch.randn(256 * 2**20, device=dev)                                 # 1 GiB
+    dst = torch.empty_like(src)
+    t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    copy_bw = 2 * src.numel() * 4 / (t_copy * 1e-3)
+    del src, dst
+    tiny = torch.zeros(16, device=dev)
+    t_launch21 = bench_graph(lambda: [tiny.add_(1) for _ in range(LAYERS)])
+    out.update(copy_bw_GBps=copy_bw / 1e9, graph_21_trivial_kernels_ms=t_launch21)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; 21 trivial kernels from a graph: {t_launch21 * 1e3:.1f} us",
+          flush=True)
+
+    state_bytes = HV * V * K * 4
+    for n in nodes:
+        t0 = time.time()
+        parents = deep_tree(n, gen).to(dev)
+        chain = ref.chain_parents(n, B, device=dev)
+        layers = [layer_inputs(n, gen, dev) for _ in range(LAYERS)]
+        L0 = layers[0]
+
+        # ---- check: kernel vs reference on the tree, kernel vs fla on the chain
+        o, k_hat, u = tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents, L0["state"])
+        o_r, k_r, u_r = ref.tree_gated_delta_rule_ref(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents,
+                                                      L0["state"])
+        o_c, _, _ = tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], chain, L0["state"])
+        o_f, _ = fla_recurrent(q=L0["q"], k=L0["k"], v=L0["v"], g=L0["g"], beta=L0["beta"], initial_state=L0["state"],
+                               use_qk_l2norm_in_kernel=True, state_v_first=True)
+        depth = ref.tree_depth(ref.tree_ancestors(parents))[0]
+        accepted = depth.argmax().reshape(1)                                  # commit the deepest path
+        s_k = L0["state"].clone()
+        commit_state_(s_k, k_hat, u, L0["g"], parents, accepted)
+        s_r = ref.commit_state_ref(L0["state"], k_r, u_r, L0["g"], parents, accepted)
+        checks = dict(o_vs_ref=rel(o, o_r), u_vs_ref=rel(u, u_r), k_hat_vs_ref=rel(k_hat, k_r),
+                      chain_o_vs_fla=rel(o_c, o_f), commit_vs_ref=rel(s_k, s_r))
+        assert all(v < 1e-2 for v in checks.values()), checks
+        path_len = int(ref.tree_ancestors(parents)[0, int(accepted)].sum())
+
+        # ---- times: one layer and all layers, each a CUDA graph
+        def tree(ls):
+            return lambda: [tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"])
+                            for L in ls]
+
+        def fla_chain(ls):
+            return lambda: [fla_recurrent(q=L["q"], k=L["k"], v=L["v"], g=L["g"], beta=L["beta"],
+                                          initial_state=L["state"], use_qk_l2norm_in_kernel=True, state_v_first=True)
+                            for L in ls]
+
+        par = parents[0].tolist()
+
+        def snapshot(ls):
+            def run():
+                for L in ls:
+                    states = []
+                    for i in range(n):
+                        s0 = L["state"] if par[i] < 0 else states[par[i]]
+                        _, s = fla_recurrent(q=L["q"][:, i:i + 1], k=L["k"][:, i:i + 1], v=L["v"][:, i:i + 1],
+                                             g=L["g"][:, i:i + 1], beta=L["beta"][:, i:i + 1], initial_state=s0,
+                                             output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                             state_v_first=True)
+                        states.append(s)
+            return run
+
+        factors = []
+        for L in layers:
+            _, kh, uu = tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"])
+            factors.append((kh, uu))
+
+        def commit(ls):
+            return lambda: [(commit_state_(L["state"], kh, uu, L["g"], parents, accepted),
+                             commit_window_(L["x"], L["window"], parents, accepted))
+                            for L, (kh, uu) in zip(ls, factors)]
+
+        def conv(ls):
+            w = torch.randn(CONV_D, CONV_W, device=dev)
+            return lambda: [tree_conv(L["x"], w, None, L["window"], parents) for L in ls]
+
+        row = dict(N=n, path_len=path_len, checks=checks, config=tree_config(n, V))
+        for name, make in [("tree", tree), ("fla_chain", fla_chain), ("snapshot", snapshot), ("commit", commit),
+                           ("conv", conv)]:
+            row[f"{name}_1_ms"] = bench_graph(make(layers[:1]))
+            row[f"{name}_21_ms"] = bench_graph(make(layers))
+        # bytes the tree verify must move per layer: state read once, inputs read, o/u/k_hat written
+        tree_bytes = state_bytes + n * (2 * H * K * 2 + HV * V * 2 + 2 * HV * 4 + HV * V * 2 + HV * V * 4 + H * K * 4)
+        commit_bytes = 2 * state_bytes + path_len * (HV * V * 4 + H * K * 4)
+        row.update(tree_bytes=tree_bytes, tree_GBps=tree_bytes * LAYERS / (row["tree_21_ms"] * 1e-3) / 1e9,
+                   commit_bytes=commit_bytes,
+                   commit_GBps=commit_bytes * LAYERS / (row["commit_21_ms"] * 1e-3) / 1e9)
+
+        # ---- launch-shape sweep (V slice, warps) for the tree verify of one layer
+        if not args.quick and n >= 64:
+            sweep = {}
+            for bv, nw in [(16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]:
+                fn = lambda: tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents,  # noqa
+                                                   L0["state"], block_v=bv, num_warps=nw)
+                sweep[f"BV={bv},warps={nw}"] = bench_graph(fn, rep_ms=30)
+            row["sweep_1_ms"] = sweep
+        out["rows"].append(row)
+        print(json.dumps(row), f"({time.time() - t0:.0f}s)", flush=True)
+        del layers, factors
+        torch.cuda.empty_cache()
+
+    # ---- memory per draft node, all layers: compact factors vs a full snapshot
+    factor_node = LAYERS * (H * K * 4 + HV * V * 4 + HV * 4)
+    conv_node = LAYERS * CONV_D * 2                    # raw pre-conv inputs kept for the window commit
+    snapshot_node = LAYERS * (state_bytes + CONV_D * CONV_W * 2)
+    out.update(factor_bytes_per_node=factor_node, conv_input_bytes_per_node=conv_node,
+               snapshot_bytes_per_node=snapshot_node)
+
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_kernels.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+    us = 1e3
+    print(f"\n{out['device']}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
+          f"{copy_bw / 1e9:.0f} GB/s; 21 trivial kernels from one graph {t_launch21 * us:.1f} us; times are medians "
+          "of CUDA-graph replays (L2 flushed), in us")
+    print("\n| N | tree 1L | tree 21L | fla chain 21L | snapshot 21L | tree/fla | commit 1L | commit 21L | "
+          "conv 21L | tree GB/s | commit GB/s | path | max rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in out["rows"]:
+        print(f"| {r['N']} | {r['tree_1_ms'] * us:.1f} | {r['tree_21_ms'] * us:.1f} | {r['fla_chain_21_ms'] * us:.1f} "
+              f"| {r['snapshot_21_ms'] * us:.1f} | {r['tree_21_ms'] / r['fla_chain_21_ms']:.2f} "
+              f"| {r['commit_1_ms'] * us:.1f} | {r['commit_21_ms'] * us:.1f} | {r['conv_21_ms'] * us:.1f} "
+              f"| {r['tree_GBps']:.0f} | {r['commit_GBps']:.0f} | {r['path_len']} | {max(r['checks'].values()):.1e} |")
+    print(f"\nper draft node, 21 layers: factors {factor_node / 2**20:.3f} MiB (+ raw conv inputs "
+          f"{conv_node / 2**20:.3f} MiB) vs snapshot {snapshot_node / 2**20:.1f} MiB: "
+          f"{100 * factor_node / snapshot_node:.2f}% ({100 * (factor_node + conv_node) / snapshot_node:.2f}% with conv "
+          "inputs)")
+    sweeps = [(r["N"], min(r["sweep_1_ms"].items(), key=lambda kv: kv[1])) for r in out["rows"] if "sweep_1_ms" in r]
+    if sweeps:
+        print("best launch shape (1 layer): " + "; ".join(f"N={n}: {k} {v * us:.1f} us" for n, (k, v) in sweeps))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
