@@ -101,7 +101,8 @@ def compile_delta_rule(batch: int, seq_len: int, cfg: GatedDeltaNetConfig, devic
 # training
 # ----------------------------------------------------------------------------------------------------------------
 def lr_at(step: int, progress: float, peak: float, warmup: int, min_ratio: float = 0.1) -> float:
-    """Linear warmup over steps, then cosine to ``min_ratio * peak`` over the fraction of the time budget used."""
+    """Linear warmup over steps, then cosine to ``min_ratio * peak`` over ``progress``, the fraction of the
+    training time budget used."""
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
@@ -136,14 +137,23 @@ def evaluate(model: GatedDeltaNetForCausalLM, rows: torch.Tensor, batch: int, ma
 @torch.no_grad()
 def greedy_samples(model: GatedDeltaNetForCausalLM, tokenizer: PreTrainedTokenizerFast, max_new_tokens: int
                    ) -> list[dict]:
-    """Greedy continuations of PROMPTS; the torch path everywhere so no new Triton kernels compile at the end."""
+    """Greedy continuations of PROMPTS, on the torch path everywhere so no new Triton kernels compile at the end.
+
+    A plain cached loop rather than ``generate``: transformers 5.17's ``generate`` passes an all-ones attention mask,
+    which fla turns into packed (cu_seqlens) inputs that the torch path does not take.
+    """
+    model.eval()
     samples = []
     with use_backend(modules="torch", delta_rule="torch"):
         for prompt in PROMPTS:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-            samples.append({"prompt": prompt, "completion": tokenizer.decode(out[0, ids.shape[1]:])})
+            out = model(input_ids=ids, use_cache=True)
+            new = []
+            for _ in range(max_new_tokens):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                new.append(nxt.item())
+                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+            samples.append({"prompt": prompt, "completion": tokenizer.decode(new)})
     return samples
 
 
@@ -215,7 +225,7 @@ def main() -> None:
         val0 = evaluate(model, val_rows, args.batch_size, args.eval_batches, amp)
         history.append({"step": 0, "tokens": 0, "val_loss": val0, "elapsed_s": time.time() - t_start})
         print(f"step 0: val loss {val0:.3f}")
-        t_train0 = time.time()
+        t_train0 = t_sched0 = time.time()
         stop_at = deadline - args.reserve_s
         next_eval = time.time() + args.eval_every_s
         # measured at each periodic eval (the first eval's time is mostly kernel compilation): leaves the final,
@@ -231,7 +241,7 @@ def main() -> None:
                     perm, cursor = torch.randperm(len(train_rows), device=device), 0
                 x = train_rows[perm[cursor:cursor + args.batch_size]].long()
                 cursor += args.batch_size
-                progress = (time.time() - t_train0) / max(stop_at - t_train0, 1e-9)
+                progress = (time.time() - t_sched0) / max(stop_at - t_sched0, 1e-9)
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step, progress, args.lr, args.warmup)
                 with amp:
@@ -244,6 +254,8 @@ def main() -> None:
                 step, since_log, tokens = step + 1, since_log + 1, tokens + tokens_per_step
                 if since_log == 10 or step == 1:  # reading the loss syncs the GPU: do it every 10 steps
                     last_train_loss = losses.item() / since_log
+                    if step == 1:  # the first step autotunes fla's backward kernels (minutes on a fresh GPU)
+                        t_sched0 = time.time()
                     losses.zero_()
                     since_log = 0
                     bar.set_postfix(loss=f"{last_train_loss:.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}",
