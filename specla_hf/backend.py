@@ -132,6 +132,20 @@ def _causal_conv1d(x, weight, bias=None, residual=None, initial_state=None, outp
     return y, (window if output_final_state else None)
 
 
+def _drop_trivial_mask(fla_forward):
+    """transformers passes an all-ones attention mask; fla turns any mask into packed (cu_seqlens) inputs, which the
+    torch path does not take. An all-ones mask means no padding: drop it on the torch path."""
+
+    @functools.wraps(fla_forward)
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+        if (attention_mask is not None and _torch_wanted("delta_rule", hidden_states)
+                and bool((attention_mask == 1).all())):
+            attention_mask = None
+        return fla_forward(self, hidden_states, attention_mask, *args, **kwargs)
+
+    return forward
+
+
 def _rmsnorm_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
     return rms_norm(x, self.weight, self.bias, self.eps, residual=residual, prenorm=prenorm)
 
@@ -173,6 +187,7 @@ def install() -> None:
     if _INSTALLED:
         return
     import fla.layers.gated_deltanet as gdn_layer
+    from fla.layers import GatedDeltaNet
     from fla.modules import FusedCrossEntropyLoss, FusedRMSNormGated, GatedMLP, RMSNorm, ShortConvolution
 
     _dispatch_method(RMSNorm, _rmsnorm_forward)
@@ -180,6 +195,7 @@ def install() -> None:
     _dispatch_method(ShortConvolution, _conv_forward)
     _dispatch_method(GatedMLP, _mlp_forward)
     _dispatch_method(FusedCrossEntropyLoss, _cross_entropy_forward)
+    GatedDeltaNet.forward = _drop_trivial_mask(GatedDeltaNet.forward)
     _dispatch_function(gdn_layer, "causal_conv1d", "modules", _causal_conv1d)
     _dispatch_function(gdn_layer, "chunk_gated_delta_rule", "delta_rule", gated_delta_rule)
     _dispatch_function(gdn_layer, "fused_recurrent_gated_delta_rule", "delta_rule", gated_delta_rule)

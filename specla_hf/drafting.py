@@ -206,10 +206,11 @@ class GDNDrafter(DynamicTreeDrafter):
     def __init__(self, drafter_model, options: DraftOptions):
         from specla_hf.gdn import GDNRunner
         super().__init__(options)
-        self.runner = GDNRunner(drafter_model, role="drafter")
+        self.runner = GDNRunner.for_model(drafter_model, role="drafter")
         self.cache = self.runner.new_cache(1)
         self.consumed = 0                    # tokens of input_ids in the drafter's committed state
-        self.node_tokens: list[int] = []     # token of each pending drafter node
+        self.node_tokens: list[int] = []     # token of each pending node of the drafter's cache (-1: padding)
+        self.cache_index: list[int] = []     # cache index of each drafter node id (ids count real nodes only)
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
         dev = self.runner.device
@@ -218,14 +219,18 @@ class GDNDrafter(DynamicTreeDrafter):
         if self.consumed < input_ids.shape[1] - 1:
             self.runner.forward(input_ids[:, self.consumed:-1].to(dev), self.cache)
             self.consumed = input_ids.shape[1] - 1
-        self.node_tokens = [input_ids[0, -1].item()]
         out = self.runner.forward(input_ids[:, -1:].to(dev), self.cache, parents=_long([[-1]], dev))
+        self.node_tokens = [input_ids[0, -1].item()]
+        self.cache_index = [0]
         return torch.log_softmax(out.logits[0, -1].float(), -1)
 
     def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         dev = self.runner.device
-        self.node_tokens += tokens
-        out = self.runner.forward(_long([tokens], dev), self.cache, parents=_long([parents], dev))
+        # drafter node ids count real nodes; the cache may also hold padding nodes, so map ids to cache indices
+        cache_parents = [self.cache_index[p] for p in parents]
+        self.cache_index += list(range(self.cache.num_pending, self.cache.num_pending + len(tokens)))
+        out = self.runner.forward(_long([tokens], dev), self.cache, parents=_long([cache_parents], dev))
+        self.node_tokens += tokens + [-1] * (self.cache.num_pending - len(self.node_tokens) - len(tokens))
         return torch.log_softmax(out.logits[0].float(), -1)
 
     def finish(self, accepted_tokens: list[int]) -> None:
@@ -234,6 +239,8 @@ class GDNDrafter(DynamicTreeDrafter):
         path_of = {0: ()}
         node_of = {(): 0}
         for n in range(1, len(parents)):
+            if parents[n] < 0:
+                continue                     # an inert padding node (GDNRunner.bucket_trees)
             path_of[n] = path_of[parents[n]] + (self.node_tokens[n],)
             node_of[path_of[n]] = n
         node, depth = 0, 0

@@ -19,6 +19,7 @@ import fla.layers.gated_deltanet as fla_gdn
 from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.models import GatedDeltaNetForCausalLM
 from specla_hf.cache import SpecLACache, SpecLALayer
+from specla_hf.cuda_graphs import MAX_TREE_BUCKET, GraphedForward, tree_bucket
 from specla_kernels import ops
 from specla_kernels.reference import gdn_gate
 
@@ -46,46 +47,88 @@ def check_gdn_model(model, role: str = "target") -> None:
 
 
 class GDNRunner:
-    """Drive one GDN causal LM over a ``SpecLACache`` (see module docstring)."""
+    """Drive one GDN causal LM over a ``SpecLACache`` (see module docstring).
 
-    def __init__(self, model: GatedDeltaNetForCausalLM, role: str = "target"):
+    ``cuda_graphs`` (default: on when the model is on CUDA) replays captured graphs for decode-path calls and pads
+    verified trees to power-of-two buckets with inert dummy nodes (``specla_hf.cuda_graphs``); ``bucket_trees``
+    turns the padding on alone (to test it on CPU).
+    """
+
+    def __init__(self, model: GatedDeltaNetForCausalLM, role: str = "target", cuda_graphs: bool | None = None,
+                 bucket_trees: bool | None = None):
         check_gdn_model(model, role)
         self.model = model
         self.config = model.config
         self.blocks = model.model.layers
         self.mixers: list[GatedDeltaNet] = [block.attn for block in self.blocks]
-        # one depthwise conv over the concatenated raw q|k|v projections, as fla's fused path does
-        self.conv_weights = []
-        self.conv_biases = []
-        for mixer in self.mixers:
-            if mixer.use_short_conv:
-                convs = (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d)
-                self.conv_weights.append(torch.cat([c.weight[:, 0] for c in convs]).detach())
-                biases = [c.bias for c in convs]
-                self.conv_biases.append(torch.cat(biases).detach() if biases[0] is not None else None)
-            else:
-                self.conv_weights.append(None)
-                self.conv_biases.append(None)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
+        self.graphs = GraphedForward(self) if cuda_graphs else None
+        self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
+        self._caches: dict[int, SpecLACache] = {}
+
+    @classmethod
+    def for_model(cls, model: GatedDeltaNetForCausalLM, role: str = "target") -> "GDNRunner":
+        """The model's runner, kept on the model so that captured CUDA graphs serve every generate() call."""
+        key = f"_specla_runner_{role}"     # a model may serve as target and as drafter: one runner (cache) each
+        runner = model.__dict__.get(key)
+        if runner is None or runner.device != model.device or runner.dtype != model.dtype:
+            runner = cls(model, role)
+            model.__dict__[key] = runner
+        return runner
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
     def new_cache(self, batch_size: int = 1) -> SpecLACache:
-        dtype = self.model.dtype
+        """A fresh (zero) cache. With CUDA graphs the runner's one cache per batch size is reset and returned: the
+        graphs are bound to its tensors, so a runner drives one generation at a time."""
+        if self.graphs is not None and batch_size in self._caches:
+            cache = self._caches[batch_size]
+            cache.reset()
+            return cache
         layers = [
             SpecLALayer(batch_size, m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
-                        2 * m.key_dim + m.value_dim, m.conv_size if m.use_short_conv else None, dtype, self.device)
+                        2 * m.key_dim + m.value_dim, m.conv_size if m.use_short_conv else None, self.dtype,
+                        self.device)
             for m in self.mixers
         ]
-        return SpecLACache(layers)
+        cache = SpecLACache(layers)
+        if self.graphs is not None:
+            self._caches[batch_size] = cache
+        return cache
 
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: SpecLACache, parents: torch.Tensor | None = None,
                 logits_positions: slice | None = None, hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
         """Consume ``input_ids [B, T]`` (``parents=None``) or verify them as tree nodes (``parents [B, T]``,
-        indices into all pending nodes of the cache, new nodes included)."""
+        indices into all pending nodes of the cache, new nodes included). Tree calls return every node's logits."""
+        T = input_ids.shape[1]
+        if parents is not None:
+            if logits_positions not in (None, slice(None)):
+                raise ValueError("tree verification returns the logits of every node")
+            logits_positions = None
+            if self.bucket_trees and tree_bucket(T) <= MAX_TREE_BUCKET:
+                pad = tree_bucket(T) - T                       # inert dummy nodes off the committed state
+                input_ids = F.pad(input_ids, (0, pad))
+                parents = F.pad(parents, (0, pad), value=-1)
+        if self.graphs is not None and self.graphs.supports(input_ids, parents):
+            out = self.graphs(input_ids, cache, parents, logits_positions, hidden_layers)
+        else:
+            out = self._forward(input_ids, cache, parents, logits_positions, hidden_layers)
+        if parents is not None and input_ids.shape[1] != T:
+            out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
+        return out
+
+    def _forward(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         if parents is None:
             cache.advance(input_ids.shape[1])
             all_parents = None
@@ -113,13 +156,21 @@ class GDNRunner:
         m = self.mixers[i]
         B, T, _ = h.shape
         x = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)          # raw pre-conv inputs
-        if parents is None:
-            y = self._conv_sequence(i, x, layer)
-        elif m.use_short_conv:
-            x_all = torch.cat([layer.x, x], 1)
-            y = ops.tree_conv(x_all, self.conv_weights[i], self.conv_biases[i], layer.window, parents)[:, -T:]
-        else:
+        if not m.use_short_conv:
             y = F.silu(x)
+        else:
+            # one depthwise conv over the concatenated q|k|v inputs, as fla's fused path does (read from the live
+            # parameters on every call, so captured graphs and later weight updates stay in step)
+            convs = (m.q_conv1d, m.k_conv1d, m.v_conv1d)
+            weight = torch.cat([c.weight[:, 0] for c in convs])
+            bias = torch.cat([c.bias for c in convs]) if m.q_conv1d.bias is not None else None
+            if parents is None:
+                y, window = fla_gdn.causal_conv1d(x=x, weight=weight, bias=bias, initial_state=layer.window,
+                                                  output_final_state=True, activation=m.q_conv1d.activation)
+                layer.window.copy_(window)
+            else:
+                x_all = torch.cat([layer.x, x], 1)
+                y = ops.tree_conv(x_all, weight, bias, layer.window, parents)[:, -T:]
         q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], -1)
         q = q.view(B, T, m.num_heads, m.head_k_dim)
         k = k.view(B, T, m.num_heads, m.head_k_dim)
@@ -147,13 +198,3 @@ class GDNRunner:
         else:
             o = m.o_norm(o.to(h.dtype))
         return m.o_proj(o.reshape(B, T, m.value_dim))
-
-    def _conv_sequence(self, i: int, x: torch.Tensor, layer: SpecLALayer) -> torch.Tensor:
-        m = self.mixers[i]
-        if not m.use_short_conv:
-            return F.silu(x)
-        y, window = fla_gdn.causal_conv1d(x=x, weight=self.conv_weights[i], bias=self.conv_biases[i],
-                                          initial_state=layer.window, output_final_state=True,
-                                          activation=m.q_conv1d.activation)
-        layer.window.copy_(window)
-        return y

@@ -110,7 +110,7 @@ def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, gene
     _check_generation(model, input_ids, generation_config, model_kwargs)
     options = draft_options(tree, tree_budget, tree_topk, draft_depth, confidence_threshold, adaptive_drafting)
     drafter = make_drafter(model, specla_assistant, options)
-    target = GDNRunner(model)
+    target = GDNRunner.for_model(model)
     if specla_streamer is not None:
         specla_streamer.put(input_ids.cpu())
     cfg = generation_config

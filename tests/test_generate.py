@@ -226,3 +226,21 @@ def test_a_wrong_acceptance_rule_fails_the_sampling_test(monkeypatch):
     p1, _ = _exact_first_two(target, ids, LogitsProcessorList())
     c1, _ = _sample_counts(target, drafter, ids, 2000, False, LogitsProcessorList())
     assert _chisq_pvalue(c1, p1) < 1e-3
+
+
+def test_tree_padding_buckets_are_inert(bad_drafter):
+    """With CUDA graphs, trees are padded to power-of-two buckets with dummy nodes: outputs must not change."""
+    model = tiny_gdn(seed=41)
+    ids = torch.randint(0, 97, (1, 6))
+    plain = model.generate(ids, max_new_tokens=30, do_sample=False)
+    for role, m in (("target", model), ("drafter", bad_drafter), ("drafter", model)):
+        GDNRunner.for_model(m, role).bucket_trees = True
+    try:
+        for drafter in (model, bad_drafter):
+            spec = model.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, tree=True,
+                                  tree_budget=11, confidence_threshold=0.0)
+            assert torch.equal(spec, plain)
+        assert model.specla_stats.tau > 1.0 or drafter is bad_drafter
+    finally:
+        for role, m in (("target", model), ("drafter", bad_drafter), ("drafter", model)):
+            GDNRunner.for_model(m, role).bucket_trees = False

@@ -1,0 +1,121 @@
+"""CUDA graphs for every decode-path call of a ``GDNRunner``.
+
+At batch 1 an eager GDN forward is bound by kernel-launch overhead (~15-20x slower than graph replay on the H200),
+so each distinct call shape is captured once and replayed:
+- consuming ``T <= MAX_SEQ_TOKENS`` tokens (autoregressive steps, a drafter catching up);
+- verifying tree nodes, padded to a power-of-two bucket with dummy nodes that hang off the committed state
+  (``parents = -1``): no real node descends from them, so real outputs are unchanged and they are never accepted.
+A graph reads its inputs from static buffers and writes the cache in place (state, window) or to its own outputs
+(the new pending factors, which become the cache's pending tensors after replay). A graph is bound to one cache's
+tensors: the runner keeps a single cache per batch size and ``GDNRunner.new_cache`` resets it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_SEQ_TOKENS = 4
+MAX_TREE_BUCKET = 128
+
+
+def tree_bucket(n: int) -> int:
+    """Smallest power of two >= n (so a handful of graphs serve every tree size)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    parents: torch.Tensor | None
+    prefix: tuple | None            # static copies of the pending parents and factors the call extends
+    out: object                     # RunnerOutput of the captured call
+    pending: tuple | None           # (cache.parents, [(k_hat, u, g, x) per layer]) right after the call
+
+
+class GraphedForward:
+    """Capture-on-first-use and replay of ``runner._forward`` keyed by call shape (see module docstring)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        # each graph gets its own memory pool: the outputs of one (e.g. the target's pending factors) must survive
+        # the replays of others (the drafter's) until they are committed
+        self.graphs: dict[tuple, _Graph] = {}
+
+    def supports(self, input_ids: torch.Tensor, parents: torch.Tensor | None) -> bool:
+        T = input_ids.shape[1]
+        return input_ids.shape[0] == 1 and (T <= MAX_SEQ_TOKENS if parents is None else T <= MAX_TREE_BUCKET)
+
+    def __call__(self, input_ids, cache, parents, logits_positions, hidden_layers):
+        key = (input_ids.shape[1], None if parents is None else cache.num_pending,
+               _slice_key(logits_positions), tuple(hidden_layers))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(input_ids, cache, parents, logits_positions, hidden_layers)
+        g = self.graphs[key]
+        g.ids.copy_(input_ids)
+        if parents is not None:
+            g.parents.copy_(parents)
+            if g.prefix is not None:
+                prefix_parents, prefix_factors = g.prefix
+                prefix_parents.copy_(cache.parents)
+                for layer, bufs in zip(cache.layers, prefix_factors):
+                    for buf, t in zip(bufs, (layer.k_hat, layer.u, layer.g, layer.x)):
+                        buf.copy_(t)
+        g.graph.replay()
+        if parents is None:
+            cache.seq_length += input_ids.shape[1]
+        else:
+            cache.parents, factors = g.pending
+            for layer, (k_hat, u, gate, x) in zip(cache.layers, factors):
+                layer.k_hat, layer.u, layer.g, layer.x = k_hat, u, gate, x
+        return g.out
+
+    def _capture(self, input_ids, cache, parents, logits_positions, hidden_layers) -> _Graph:
+        runner = self.runner
+        ids = input_ids.clone()
+        static_parents = None if parents is None else parents.clone()
+        prefix = None
+        if parents is not None and cache.num_pending:
+            prefix = (cache.parents.clone(), [tuple(t.clone() for t in (l.k_hat, l.u, l.g, l.x)) for l in cache.layers])
+        saved = _snapshot(cache)
+
+        def call():
+            _restore(cache, saved, prefix)
+            return runner._forward(ids, cache, static_parents, logits_positions, hidden_layers)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()                                   # warm-up: Triton compile/autotune, cuBLAS handles
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        pending = None
+        if parents is not None:
+            pending = (cache.parents, [(l.k_hat, l.u, l.g, l.x) for l in cache.layers])
+        _restore(cache, saved, prefix)               # capture ran nothing; warm-up's effects are undone
+        return _Graph(graph, ids, static_parents, prefix, out, pending)
+
+
+def _slice_key(s: slice | None):
+    return None if s is None else (s.start, s.stop, s.step)
+
+
+def _snapshot(cache) -> tuple:
+    return (cache.seq_length, cache.parents, [(l.state.clone(), None if l.window is None else l.window.clone(),
+                                              l.k_hat, l.u, l.g, l.x) for l in cache.layers])
+
+
+def _restore(cache, saved, prefix) -> None:
+    """Put the cache back as it was before a warm-up/capture (state and window in place: graphs hold their
+    addresses); with ``prefix``, the pending factors are the graph's static prefix buffers."""
+    seq_length, parents, layers = saved
+    cache.seq_length = seq_length
+    cache.parents = parents if prefix is None else prefix[0]
+    for i, (layer, (state, window, k_hat, u, g, x)) in enumerate(zip(cache.layers, layers)):
+        layer.state.copy_(state)
+        if window is not None:
+            layer.window.copy_(window)
+        layer.k_hat, layer.u, layer.g, layer.x = (k_hat, u, g, x) if prefix is None else prefix[1][i]

@@ -1,0 +1,270 @@
+"""A target-aligned EAGLE-style drafter for GDN targets: one GDN decoder layer on the target's own features.
+
+Architecture (``SpecLADrafter``): for draft position ``t``
+
+    g_t = fc([rms(f_t^low) ; rms(f_t^mid) ; rms(f_t^top)])          EAGLE-3 fusion of three target layers
+    x_t = in_proj([embed_norm(E(x_{t+1})) ; feature_norm(g_t)])       E = the TARGET's embedding (not stored)
+    h_t = GatedDeltaNetBlock(x_t)                                      one fla GDN block (mixer + SwiGLU MLP)
+    p(x_{t+2}) = softmax(W_target · norm(h_t))                         the TARGET's LM head (not stored)
+
+Alignment: drafter position ``t`` consumes (target feature of position ``t``, token ``t+1``) and predicts token
+``t+2``; the target's own logits at position ``t+1`` are its label. At decode time the pending token ``x_{L-1}`` (the
+tree root) sits at drafter position ``L-2``, whose feature ``f_{L-2}`` the target has computed; for deeper draft nodes
+the target's features are unknown and the drafter feeds its own output ``h`` in place of ``g`` (EAGLE), which it is
+trained for by a two-pass "training-time test" (``specla_hf.train_drafter``).
+
+Feature layers use ``GDNRunner``'s numbering: ``0`` = embeddings, ``i`` = after block ``i``. Hugging Face's
+``output_hidden_states`` tuple agrees for ``i < L`` (its entry ``i`` is the input of block ``i``), but its last entry is
+the top block's output *after the final norm*, while ``GDNRunner`` returns it before. The drafter is defined on HF's
+version: at decode time ``EagleDrafter.add_features`` applies the target's final norm to feature layer ``L``.
+
+Why a GDN layer rather than attention: it is driven by the same tree verification, compact factors and commit as
+the target (``SpecLACache``, ``specla_kernels.ops``), so a whole draft tree is scored per depth in one pass, and
+its state is O(1) per sequence however long the context; see ``docs/drafter.md`` for chain vs tree acceptance.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from fla.models import GatedDeltaNetConfig
+from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
+from fla.modules import RMSNorm
+from specla_hf.cache import SpecLACache
+from specla_hf.drafting import DraftOptions, DynamicTreeDrafter
+from specla_hf.gdn import GDNRunner
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and top layers (EAGLE-3), in ``GDNRunner`` numbering; strictly increasing."""
+    return tuple(sorted({num_layers // 4, num_layers // 2, num_layers}))
+
+
+class SpecLADrafterConfig(PretrainedConfig):
+    """A ``SpecLADrafter`` and the target it was trained for (its type, width, vocabulary, depth, feature layers).
+
+    ``hidden_size`` and ``vocab_size`` are the target's: the drafter runs in the target's hidden space and reuses its
+    embedding and LM head. The remaining fields shape the drafter's one GDN block (fla ``GatedDeltaNetConfig`` names).
+    """
+
+    model_type = "specla_drafter"
+
+    def __init__(self, hidden_size: int = 384, vocab_size: int = 8192, target_model_type: str = "gated_deltanet",
+                 target_num_hidden_layers: int = 4, feature_layers: Sequence[int] | None = None,
+                 num_heads: int = 6, head_dim: int = 64, num_v_heads: int | None = None, expand_v: float = 2.0,
+                 hidden_ratio: int = 2, intermediate_size: int | None = None, conv_size: int = 4,
+                 use_short_conv: bool = True, use_gate: bool = True, allow_neg_eigval: bool = False,
+                 norm_eps: float = 1e-6, initializer_range: float = 0.02, **kwargs):
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.target_model_type = target_model_type
+        self.target_num_hidden_layers = target_num_hidden_layers
+        layers = default_feature_layers(target_num_hidden_layers) if feature_layers is None else tuple(feature_layers)
+        if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0 \
+                or layers[-1] > target_num_hidden_layers:
+            raise ValueError(f"feature_layers {list(layers)} must be strictly increasing indices in [0, "
+                             f"{target_num_hidden_layers}] (0 = embeddings, i = after target block i)")
+        self.feature_layers = list(layers)
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_v_heads = num_v_heads
+        self.expand_v = expand_v
+        self.hidden_ratio = hidden_ratio
+        self.intermediate_size = intermediate_size
+        self.conv_size = conv_size
+        self.use_short_conv = use_short_conv
+        self.use_gate = use_gate
+        self.allow_neg_eigval = allow_neg_eigval
+        self.norm_eps = norm_eps
+        self.initializer_range = initializer_range
+        kwargs.setdefault("tie_word_embeddings", False)   # nothing to tie: embedding and head are the target's
+        super().__init__(**kwargs)
+
+    @classmethod
+    def for_target(cls, target_config: PretrainedConfig, feature_layers: Sequence[int] | None = None,
+                   **block_overrides) -> SpecLADrafterConfig:
+        """A drafter config fitted to ``target_config``; the GDN block copies the target's head shapes."""
+        t = target_config
+        block = dict(num_heads=t.num_heads, head_dim=t.head_dim, num_v_heads=t.num_v_heads, expand_v=t.expand_v,
+                     conv_size=t.conv_size, use_short_conv=t.use_short_conv, use_gate=t.use_gate,
+                     allow_neg_eigval=t.allow_neg_eigval, norm_eps=t.norm_eps)
+        block.update(block_overrides)
+        return cls(hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_model_type=t.model_type,
+                   target_num_hidden_layers=t.num_hidden_layers, feature_layers=feature_layers,
+                   pad_token_id=t.pad_token_id, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, **block)
+
+    def block_config(self) -> GatedDeltaNetConfig:
+        """The fla config of the drafter's GDN block (fused norms: the layout ``GDNRunner`` drives)."""
+        return GatedDeltaNetConfig(hidden_size=self.hidden_size, num_hidden_layers=1, num_heads=self.num_heads,
+                                   head_dim=self.head_dim, num_v_heads=self.num_v_heads, expand_v=self.expand_v,
+                                   hidden_ratio=self.hidden_ratio, intermediate_size=self.intermediate_size,
+                                   conv_size=self.conv_size, use_short_conv=self.use_short_conv,
+                                   use_gate=self.use_gate, allow_neg_eigval=self.allow_neg_eigval,
+                                   norm_eps=self.norm_eps, hidden_act="swish", fuse_norm=True,
+                                   vocab_size=self.vocab_size)
+
+
+class SpecLADrafter(PreTrainedModel):
+    """The drafter's weights (see module docstring); ``candidate_generator`` turns it into an ``EagleDrafter``.
+
+    Pass it as ``target.generate(ids, assistant_model=drafter)``: ``specla_hf.generation`` recognises
+    ``is_specla_drafter`` and calls ``check_target`` then ``candidate_generator``.
+    """
+
+    config_class = SpecLADrafterConfig
+    base_model_prefix = "specla_drafter"
+    _no_split_modules = ["GatedDeltaNetBlock"]
+    is_specla_drafter = True
+
+    def __init__(self, config: SpecLADrafterConfig):
+        super().__init__(config)
+        H = config.hidden_size
+        self.fc = nn.Linear(len(config.feature_layers) * H, H, bias=False)
+        self.embed_norm = RMSNorm(H, eps=config.norm_eps)
+        self.feature_norm = RMSNorm(H, eps=config.norm_eps)
+        self.in_proj = nn.Linear(2 * H, H, bias=False)
+        self.block = GatedDeltaNetBlock(config.block_config(), layer_idx=0)
+        self.norm = RMSNorm(H, eps=config.norm_eps)
+        self.post_init()
+
+    def fuse(self, features: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Target features ``[B, T, H]`` per feature layer (HF numbering, see module docstring) -> ``g [B, T, H]``.
+        Each is RMS-normalised first: the residual stream's scale grows with depth."""
+        return self.fc(torch.cat([F.rms_norm(f, (f.shape[-1],), eps=self.config.norm_eps) for f in features], -1))
+
+    def block_input(self, fused: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """``[embedding of token t+1 ; feature of position t]`` -> the GDN block's input."""
+        return self.in_proj(torch.cat([self.embed_norm(inputs_embeds), self.feature_norm(fused)], -1))
+
+    def forward(self, fused: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """Sequence mode (training): ``fused [B, T, H]`` from ``fuse`` (or the drafter's own outputs, shifted),
+        ``inputs_embeds [B, T, H]`` the target's embeddings of the next tokens -> output hidden ``h [B, T, H]``
+        (before the final norm; logits are ``target.lm_head(drafter.norm(h))``)."""
+        return self.block(self.block_input(fused, inputs_embeds))[0]
+
+    # ---- fitting a target ----
+    def check_target(self, target) -> None:
+        """Raise ``ValueError`` naming every way ``target`` differs from the model this drafter was trained for."""
+        cfg, t = self.config, target.config
+        problems = []
+        if t.model_type != cfg.target_model_type:
+            problems.append(f"model type: drafter trained for {cfg.target_model_type!r}, target is {t.model_type!r}")
+        if t.vocab_size != cfg.vocab_size:
+            problems.append(f"vocabulary: drafter trained for {cfg.vocab_size} tokens, target has {t.vocab_size}")
+        if t.hidden_size != cfg.hidden_size:
+            problems.append(f"hidden size: drafter trained for {cfg.hidden_size}, target has {t.hidden_size}")
+        if t.num_hidden_layers != cfg.target_num_hidden_layers:
+            problems.append(f"layer count: drafter trained for {cfg.target_num_hidden_layers} layers (features from "
+                            f"layers {cfg.feature_layers}), target has {t.num_hidden_layers}")
+        if problems:
+            raise ValueError("this SpecLA drafter does not fit the target: " + "; ".join(problems) + ". Train one "
+                             "for this target with `specla-train-drafter --target ...`.")
+
+    def candidate_generator(self, target, options: DraftOptions) -> EagleDrafter:
+        self.check_target(target)
+        return EagleDrafter(self, target, options)
+
+
+class _BlockRunner(GDNRunner):
+    """``GDNRunner``'s mixer (fla sequence kernels / tree verification / factors) on the drafter's single block,
+    whose input is a vector rather than a token, so ``GDNRunner.forward`` (embeddings, LM head) is not used."""
+
+    def __init__(self, drafter: SpecLADrafter):
+        # not GDNRunner.__init__: that one checks and wraps a whole GatedDeltaNetForCausalLM
+        self.model = drafter
+        self.config = drafter.config
+        self.blocks = [drafter.block]
+        self.mixers = [drafter.block.attn]
+        self.graphs = None        # eager: the drafter's calls are not captured in CUDA graphs
+
+    @torch.no_grad()
+    def run_block(self, x: torch.Tensor, cache: SpecLACache, parents: torch.Tensor | None) -> torch.Tensor:
+        """Consume ``x [1, T, H]`` into the state (``parents=None``) or verify it as tree nodes; output hidden."""
+        if parents is None:
+            cache.advance(x.shape[1])
+            all_parents = None
+        else:
+            all_parents = cache.add_nodes(parents)
+        block = self.blocks[0]
+        y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents)
+        y, residual = block.mlp_norm(y, residual=x, prenorm=True)
+        return residual + block.mlp(y)
+
+
+class EagleDrafter(DynamicTreeDrafter):
+    """Dynamic-tree drafting with a ``SpecLADrafter`` beside a GDN target (alignment in the module docstring).
+
+    The drafter's committed state has consumed drafter positions ``< consumed``, always with the target's true
+    features. ``start`` catches up to the root with buffered features in sequence mode and runs the root as a tree
+    node; ``expand`` adds tree nodes fed by their parents' output hidden states; ``finish`` discards every draft node:
+    the accepted positions get their true features from the verify pass and are consumed by the next ``start`` (a
+    re-run of the one-layer drafter, never of the target).
+    """
+
+    def __init__(self, drafter: SpecLADrafter, target, options: DraftOptions):
+        super().__init__(options)
+        self.drafter = drafter
+        self.feature_layers = tuple(drafter.config.feature_layers)
+        self.top = target.config.num_hidden_layers
+        self.embeddings = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.target_norm = target.model.norm
+        self.runner = _BlockRunner(drafter)
+        self.cache = self.runner.new_cache(1)
+        self.consumed = 0
+        # fused features of target positions consumed..: committed by the target, not yet by the drafter
+        self.features = torch.empty(1, 0, drafter.config.hidden_size, dtype=drafter.dtype, device=drafter.device)
+        self.node_hidden = self.features[0]        # output hidden of each pending drafter node (root first)
+
+    @torch.no_grad()
+    def add_features(self, features: tuple[torch.Tensor, ...]) -> None:
+        if len(features) != len(self.feature_layers):
+            raise ValueError(f"expected target features of layers {self.feature_layers}, got {len(features)} tensors")
+        # GDNRunner gives the top layer before the target's final norm, HF's hidden_states (training) after it
+        feats = [self.target_norm(f) if layer == self.top else f for layer, f in zip(self.feature_layers, features)]
+        self.features = torch.cat([self.features, self.drafter.fuse(feats)], 1)
+
+    @torch.no_grad()
+    def _run(self, fused: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None,
+             logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.drafter.block_input(fused, self.embeddings(tokens.to(fused.device)))
+        h = self.runner.run_block(x, self.cache, parents)
+        if not logits:
+            return h, None
+        return h, torch.log_softmax(self.lm_head(self.drafter.norm(h))[0].float(), -1)
+
+    def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        committed = input_ids.shape[1] - 1               # target positions in the target's state
+        if self.consumed + self.features.shape[1] != committed:
+            raise RuntimeError(f"the drafter holds features of {self.consumed + self.features.shape[1]} positions "
+                               f"but the target committed {committed}: was one drafter shared by two generations?")
+        # positions consumed..committed-2 read tokens consumed+1..committed-1; the root (position committed-1)
+        # reads the pending token
+        n = committed - 1 - self.consumed
+        if n > 0:
+            self._run(self.features[:, :n], input_ids[:, self.consumed + 1:committed], None, logits=False)
+            self.features, self.consumed = self.features[:, n:], self.consumed + n
+        # a one-token prompt has no target feature for the root: a zero feature, never committed
+        root = self.features[:, :1] if committed else self.features.new_zeros(1, 1, self.features.shape[-1])
+        parents = torch.full((1, 1), -1, dtype=torch.long, device=root.device)
+        h, logp = self._run(root, input_ids[:, -1:], parents)
+        self.node_hidden = h[0]
+        return logp[0]
+
+    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        dev = self.node_hidden.device
+        parents_t = torch.tensor([parents], dtype=torch.long, device=dev)
+        h, logp = self._run(self.node_hidden[parents_t], torch.tensor([tokens], device=dev), parents_t)
+        self.node_hidden = torch.cat([self.node_hidden, h[0]])
+        return logp
+
+    def finish(self, accepted_tokens: list[int]) -> None:
+        self.cache.discard()
+
+
+AutoConfig.register(SpecLADrafterConfig.model_type, SpecLADrafterConfig)
+AutoModelForCausalLM.register(SpecLADrafterConfig, SpecLADrafter)
