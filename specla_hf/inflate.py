@@ -1,0 +1,90 @@
+"""Function-preserving inflation of a trained small GDN into a larger GDN shape (e.g. fla's 1.3B default config).
+
+Weights of a 1.3B GDN cannot be downloaded here, but its *cost* can be reproduced exactly: pad hidden, key and value
+dims with zeros (RMSNorm weights rescaled so the RMS over the wider width is unchanged), and add blocks whose output
+projections are zero. The inflated model computes the small model's function at the large model's cost.
+
+Exactness, up to rounding: hidden-size norms see ``mean(x^2)`` shrink by ``h_small / h_big``, so their weights are
+scaled by its square root and ``norm_eps`` by the ratio. The per-head output norm sees its input scaled by
+``sqrt(K_small / K_big)`` (the attention scale ``K**-0.5``; q and k are l2-normalised) and its width grow from
+``V_small`` to ``V_big``: its epsilon is set on the module accordingly (the inflated model lives in memory only, so
+the per-module value need not survive a config round trip).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+
+def _pad_rows_per_head(w: torch.Tensor, heads: int, small: int, big: int, big_heads: int) -> torch.Tensor:
+    """[heads*small, ...] -> [big_heads*big, ...]: head h's rows go to h*big .. h*big+small, zeros elsewhere."""
+    out = w.new_zeros(big_heads, big, *w.shape[1:])
+    out[:heads, :small] = w.view(heads, small, *w.shape[1:])
+    return out.view(big_heads * big, *w.shape[1:])
+
+
+@torch.no_grad()
+def inflate_gdn(small: GatedDeltaNetForCausalLM, config: GatedDeltaNetConfig,
+                device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> GatedDeltaNetForCausalLM:
+    s_cfg = small.config
+    c = config
+    checks = [("hidden_size", c.hidden_size >= s_cfg.hidden_size), ("num_heads", c.num_heads >= s_cfg.num_heads),
+              ("head_dim", c.head_dim >= s_cfg.head_dim), ("expand_v", c.expand_v == s_cfg.expand_v),
+              ("num_hidden_layers", c.num_hidden_layers >= s_cfg.num_hidden_layers),
+              ("vocab_size", c.vocab_size == s_cfg.vocab_size), ("num_v_heads", not s_cfg.num_v_heads),
+              ("use_gate/use_short_conv/conv_size", (c.use_gate, c.use_short_conv, c.conv_size) ==
+               (s_cfg.use_gate, s_cfg.use_short_conv, s_cfg.conv_size)),
+              ("fuse_norm", c.fuse_norm == s_cfg.fuse_norm)]
+    bad = [name for name, ok in checks if not ok]
+    if bad:
+        raise ValueError(f"cannot inflate {s_cfg.model_type} into this config: {', '.join(bad)} incompatible "
+                         "(the large shape must be at least as wide/deep, with the same vocabulary and layer options)")
+    h_s, h_b = s_cfg.hidden_size, c.hidden_size
+    c.norm_eps = s_cfg.norm_eps * h_s / h_b                 # mean(x^2) over the padded width shrinks by h_s/h_b
+    device = device or small.device
+    dtype = dtype or small.dtype
+    with torch.device(device):
+        big = GatedDeltaNetForCausalLM(c).to(dtype)
+    r_h = math.sqrt(h_s / h_b)
+
+    def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.zero_()
+        dst[tuple(slice(0, n) for n in src.shape)] = src.to(dst)
+
+    put(big.model.embeddings.weight, small.model.embeddings.weight)
+    put(big.lm_head.weight, small.lm_head.weight)
+    put(big.model.norm.weight, small.model.norm.weight * r_h)
+    for i, b_block in enumerate(big.model.layers):
+        if i >= s_cfg.num_hidden_layers:                     # extra block: full cost, zero contribution
+            b_block.attn.o_proj.weight.zero_()
+            b_block.mlp.down_proj.weight.zero_()
+            continue
+        s_block = small.model.layers[i]
+        put(b_block.attn_norm.weight, s_block.attn_norm.weight * r_h)
+        put(b_block.mlp_norm.weight, s_block.mlp_norm.weight * r_h)
+        for name in ("gate_proj", "up_proj"):
+            put(getattr(b_block.mlp, name).weight, getattr(s_block.mlp, name).weight)
+        put(b_block.mlp.down_proj.weight, s_block.mlp.down_proj.weight)
+        sa, ba = s_block.attn, b_block.attn
+        H, Hb = sa.num_heads, ba.num_heads
+        K, Kb, V, Vb = sa.head_k_dim, ba.head_k_dim, sa.head_v_dim, ba.head_v_dim
+        for name, small_dim, big_dim in (("q", K, Kb), ("k", K, Kb), ("v", V, Vb)):
+            put(getattr(ba, f"{name}_proj").weight,
+                _pad_rows_per_head(getattr(sa, f"{name}_proj").weight, H, small_dim, big_dim, Hb))
+            if sa.use_short_conv:
+                put(getattr(ba, f"{name}_conv1d").weight,
+                    _pad_rows_per_head(getattr(sa, f"{name}_conv1d").weight, H, small_dim, big_dim, Hb))
+        if sa.use_gate:
+            put(ba.g_proj.weight, _pad_rows_per_head(sa.g_proj.weight, H, V, Vb, Hb))
+        for name in ("a_proj", "b_proj"):
+            put(getattr(ba, name).weight, getattr(sa, name).weight)
+        ba.A_log[:H] = sa.A_log.to(ba.A_log)
+        ba.dt_bias[:H] = sa.dt_bias.to(ba.dt_bias)
+        put(ba.o_norm.weight, sa.o_norm.weight * math.sqrt(V / Vb))
+        ba.o_norm.eps = sa.o_norm.eps * (K / Kb) * (V / Vb)
+        o = sa.o_proj.weight.view(h_s, H, V)
+        ba.o_proj.weight.zero_()
+        ba.o_proj.weight.view(h_b, Hb, Vb)[:h_s, :H, :V] = o.to(ba.o_proj.weight)
+    return big.eval()
