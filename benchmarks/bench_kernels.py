@@ -33,6 +33,11 @@ from specla_kernels.tree_delta import tree_config, tree_gated_delta_rule
 LAYERS, H, HV, K, V, B = 21, 6, 6, 256, 512, 1
 CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share one depthwise conv of width 4
 NODES = (1, 4, 16, 32, 64, 128)
+# launch shapes tried beside tree_config's default, per padded node count BN
+SWEEP = {16: [dict(BK=128), dict(BV=32), dict(num_warps=2), dict(num_warps=8)],
+         32: [dict(BK=128), dict(BV=32), dict(num_warps=8)],
+         64: [dict(BV=16), dict(BV=16, num_warps=4), dict(num_warps=4), dict(BV=64), dict(BK=128)],
+         128: [dict(BV=16), dict(BC=16), dict(BV=64), dict(BV=16, BC=16)]}
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -127,13 +132,28 @@ def main() -> None:
         s_r = ref.commit_state_ref(L0["state"], k_r, u_r, L0["g"], parents, accepted)
         checks = dict(o_vs_ref=rel(o, o_r), u_vs_ref=rel(u, u_r), k_hat_vs_ref=rel(k_hat, k_r),
                       chain_o_vs_fla=rel(o_c, o_f), commit_vs_ref=rel(s_k, s_r))
-        assert all(v < 1e-2 for v in checks.values()), checks
+        ok = checks["o_vs_ref"] < 1e-2 and checks["chain_o_vs_fla"] < 1e-2 and max(
+            checks["u_vs_ref"], checks["k_hat_vs_ref"], checks["commit_vs_ref"]) < 1e-3
         path_len = int(ref.tree_ancestors(parents)[0, int(accepted)].sum())
 
+        # ---- launch shapes for one layer: each checked against the reference, then timed; the best valid one is
+        # timed on all layers below beside the default
+        sweep, best = [], None
+        for over in [{}] + ([] if args.quick else SWEEP[tree_config(n, V)["BN"]]):
+            o_t, _, u_t = tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents, L0["state"],
+                                                config=over)
+            err = max(rel(o_t, o_r) / 10, rel(u_t, u_r))                     # o is bf16: 10x looser
+            fn = lambda: tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"],  # noqa: E731
+                                               parents, L0["state"], config=over)
+            t = bench_graph(fn, rep_ms=25)
+            sweep.append(dict(config=over, ms=t, err=err))
+            if err < 1e-3 and (best is None or t < best["ms"]):
+                best = sweep[-1]
+
         # ---- times: one layer and all layers, each a CUDA graph
-        def tree(ls):
-            return lambda: [tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"])
-                            for L in ls]
+        def tree(ls, over=None):
+            return lambda: [tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"],
+                                                  config=over) for L in ls]
 
         def fla_chain(ls):
             return lambda: [fla_recurrent(q=L["q"], k=L["k"], v=L["v"], g=L["g"], beta=L["beta"],
@@ -169,26 +189,22 @@ def main() -> None:
             w = torch.randn(CONV_D, CONV_W, device=dev)
             return lambda: [tree_conv(L["x"], w, None, L["window"], parents) for L in ls]
 
-        row = dict(N=n, path_len=path_len, checks=checks, config=tree_config(n, V))
+        row = dict(N=n, path_len=path_len, checks=checks, ok=ok, config=tree_config(n, V), sweep=sweep,
+                   best=best["config"] if best else None)
         for name, make in [("tree", tree), ("fla_chain", fla_chain), ("snapshot", snapshot), ("commit", commit),
                            ("conv", conv)]:
             row[f"{name}_1_ms"] = bench_graph(make(layers[:1]))
             row[f"{name}_21_ms"] = bench_graph(make(layers))
+        if best:
+            row["tree_best_1_ms"] = bench_graph(tree(layers[:1], best["config"]))
+            row["tree_best_21_ms"] = bench_graph(tree(layers, best["config"]))
         # bytes the tree verify must move per layer: state read once, inputs read, o/u/k_hat written
         tree_bytes = state_bytes + n * (2 * H * K * 2 + HV * V * 2 + 2 * HV * 4 + HV * V * 2 + HV * V * 4 + H * K * 4)
         commit_bytes = 2 * state_bytes + path_len * (HV * V * 4 + H * K * 4)
-        row.update(tree_bytes=tree_bytes, tree_GBps=tree_bytes * LAYERS / (row["tree_21_ms"] * 1e-3) / 1e9,
+        t_tree = row.get("tree_best_21_ms", row["tree_21_ms"])
+        row.update(tree_bytes=tree_bytes, tree_GBps=tree_bytes * LAYERS / (t_tree * 1e-3) / 1e9,
                    commit_bytes=commit_bytes,
                    commit_GBps=commit_bytes * LAYERS / (row["commit_21_ms"] * 1e-3) / 1e9)
-
-        # ---- launch-shape sweep (V slice, warps) for the tree verify of one layer
-        if not args.quick and n >= 64:
-            sweep = {}
-            for bv, nw in [(16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]:
-                fn = lambda: tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents,  # noqa
-                                                   L0["state"], block_v=bv, num_warps=nw)
-                sweep[f"BV={bv},warps={nw}"] = bench_graph(fn, rep_ms=30)
-            row["sweep_1_ms"] = sweep
         out["rows"].append(row)
         print(json.dumps(row), f"({time.time() - t0:.0f}s)", flush=True)
         del layers, factors
@@ -209,22 +225,23 @@ def main() -> None:
     print(f"\n{out['device']}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
           f"{copy_bw / 1e9:.0f} GB/s; 21 trivial kernels from one graph {t_launch21 * us:.1f} us; times are medians "
           "of CUDA-graph replays (L2 flushed), in us")
-    print("\n| N | tree 1L | tree 21L | fla chain 21L | snapshot 21L | tree/fla | commit 1L | commit 21L | "
-          "conv 21L | tree GB/s | commit GB/s | path | max rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | tree 1L | tree 21L | fla chain 21L | tree/fla | snapshot 21L | commit 1L | commit 21L | conv 21L "
+          "| tree GB/s | commit GB/s | path | check | best launch shape (1L, 21L) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
+        tb = r.get("tree_best_21_ms", r["tree_21_ms"])
+        best = (f"{r['best']} {r['tree_best_1_ms'] * us:.1f}, {r['tree_best_21_ms'] * us:.1f}" if r.get("best")
+                is not None else "-")
         print(f"| {r['N']} | {r['tree_1_ms'] * us:.1f} | {r['tree_21_ms'] * us:.1f} | {r['fla_chain_21_ms'] * us:.1f} "
-              f"| {r['snapshot_21_ms'] * us:.1f} | {r['tree_21_ms'] / r['fla_chain_21_ms']:.2f} "
-              f"| {r['commit_1_ms'] * us:.1f} | {r['commit_21_ms'] * us:.1f} | {r['conv_21_ms'] * us:.1f} "
-              f"| {r['tree_GBps']:.0f} | {r['commit_GBps']:.0f} | {r['path_len']} | {max(r['checks'].values()):.1e} |")
+              f"| {tb / r['fla_chain_21_ms']:.2f} | {r['snapshot_21_ms'] * us:.1f} | {r['commit_1_ms'] * us:.1f} "
+              f"| {r['commit_21_ms'] * us:.1f} | {r['conv_21_ms'] * us:.1f} | {r['tree_GBps']:.0f} "
+              f"| {r['commit_GBps']:.0f} | {r['path_len']} | {'ok' if r['ok'] else 'FAIL'} | {best} |")
     print(f"\nper draft node, 21 layers: factors {factor_node / 2**20:.3f} MiB (+ raw conv inputs "
           f"{conv_node / 2**20:.3f} MiB) vs snapshot {snapshot_node / 2**20:.1f} MiB: "
           f"{100 * factor_node / snapshot_node:.2f}% ({100 * (factor_node + conv_node) / snapshot_node:.2f}% with conv "
           "inputs)")
-    sweeps = [(r["N"], min(r["sweep_1_ms"].items(), key=lambda kv: kv[1])) for r in out["rows"] if "sweep_1_ms" in r]
-    if sweeps:
-        print("best launch shape (1 layer): " + "; ".join(f"N={n}: {k} {v * us:.1f} us" for n, (k, v) in sweeps))
-
+    print("tree/fla compares the best valid launch shape on all layers with fla; check: o, u, k_hat, commit vs the "
+          "torch reference and o on a chain vs fla")
 
 if __name__ == "__main__":
     sys.exit(main())

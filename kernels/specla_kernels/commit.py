@@ -5,8 +5,10 @@ with ``P`` the path from the committed state to the accepted node ``m`` and ``Γ
 
     S ← e^{Γ_m} S + Σ_{j∈P} e^{Γ_m-Γ_j} u_j k̂_jᵀ
 
-one rank-|P| update from the compact factors, read once and written once per (batch, value head, V slice). Each
-program finds the path by walking the parent pointers up from ``m`` and reads the factors of path nodes only.
+one rank-|P| update from the compact factors; the state is read once and written once. Each program owns one
+[BV, BK] tile of one head's state, so the whole commit is one round trip to memory per program: it issues the state
+load first, finds the path (row ``m`` of the ancestor mask, built as in the tree kernel) meanwhile, and reads the
+factors of path nodes only.
 ``commit_window_`` is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
 inputs of ``[old window, x along P]``. ``accepted[b] == -1`` leaves batch row ``b`` untouched in both.
 """
@@ -16,11 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from specla_kernels.tree_delta import ancestor_mask
 
-@triton.jit(do_not_specialize=["Nt"])
+
+@triton.jit(do_not_specialize=["Nt", "n_sq"])
 def commit_state_kernel(
     state, k_hat, u, g, parents, accepted,
-    Nt,
+    Nt, n_sq,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -29,40 +33,34 @@ def commit_state_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     m = tl.load(accepted + i_b).to(tl.int32)
     if m >= 0:
-        rows = tl.arange(0, BN)
-        # walk from m to the root: node j on the path gets weight e^{Γ_m - Γ_j}, the decay of the path below j
-        w = tl.zeros([BN], dtype=tl.float32)
-        below = 0.                                                     # Σ g over the path strictly below `cur`
-        cur = m
-        while cur >= 0:
-            w = tl.where(rows == cur, tl.exp(below), w)
-            below += tl.load(g + (i_b * Nt + cur).to(tl.int64) * HV + i_hv).to(tl.float32)
-            cur = tl.load(parents + i_b * Nt + cur).to(tl.int32)
-        decay = tl.exp(below)                                          # below == Γ_m once the root is passed
-        on_path = w > 0
-        tok = (i_b * Nt + rows).to(tl.int64)
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        # only path rows are read: the others carry weight 0
-        b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=on_path[:, None] & m_v[None, :],
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_sk = (o_v < V)[:, None] & (o_k < K)[None, :]
+        p_sk = state + i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+        b_s = tl.load(p_sk, mask=m_sk, other=0.)                  # issued first: it does not depend on the path
+        rows = tl.arange(0, BN)
+        m_n = rows < Nt
+        tok = (i_b * Nt + rows).to(tl.int64)
+        p_n = tl.load(parents + i_b * Nt + rows, mask=m_n, other=-1).to(tl.int32)
+        b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
+        anc = ancestor_mask(p_n, rows, n_sq, BN)
+        on_path = tl.sum(tl.where((rows == m)[:, None] & anc, 1, 0), 0) > 0         # row m of the mask
+        # Γ_j of a path node sums the gates of its own ancestors, i.e. of the path down to j
+        gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
+        gam_m = tl.sum(tl.where(rows == m, gam, 0.), 0)
+        w = tl.where(on_path, tl.exp(tl.minimum(gam_m - gam, 0.)), 0.)
+        # only path rows are read
+        b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=on_path[:, None] & (o_v < V)[None, :],
                       other=0.).to(tl.float32)
-        b_wu = tl.trans(b_u * w[:, None])                                              # [BV, BN]
-        p_s = state + i_bh.to(tl.int64) * V * K
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < K
-            b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=on_path[:, None] & m_k[None, :],
-                           other=0.).to(tl.float32)
-            p_sk = p_s + o_v[:, None] * K + o_k[None, :]
-            m_sk = m_v[:, None] & m_k[None, :]
-            b_s = tl.load(p_sk, mask=m_sk, other=0.)
-            b_s = b_s * decay + tl.dot(b_wu, b_kh, input_precision="tf32x3")
-            tl.store(p_sk, b_s, mask=m_sk)
+        b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :],
+                       mask=on_path[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
+        b_s = b_s * tl.exp(gam_m) + tl.dot(tl.trans(b_u * w[:, None]), b_kh, input_precision="tf32x3")
+        tl.store(p_sk, b_s, mask=m_sk)
 
 
 @triton.jit(do_not_specialize=["Nt"])
@@ -121,12 +119,12 @@ def commit_state_(
     if not 1 <= Nt <= 128:
         raise ValueError(f"one tree chunk holds 1..128 nodes, got {Nt}")
     BN = max(16, triton.next_power_of_2(Nt))
-    BV = 32
-    grid = (triton.cdiv(V, BV), B * HV)
+    BV, BK = 32, max(16, min(64, triton.next_power_of_2(K)))
+    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)
     commit_state_kernel[grid](
-        state, k_hat.contiguous(), u.contiguous(), g.contiguous(), parents.contiguous(), accepted.contiguous(), Nt,
-        H=H, HV=HV, K=K, V=V, BN=BN, BK=max(16, min(64, triton.next_power_of_2(K))), BV=BV,
-        num_warps=8,
+        state, k_hat.contiguous(), u.contiguous(), g.contiguous(), parents.contiguous(), accepted.contiguous(),
+        Nt, (Nt - 1).bit_length(),
+        H=H, HV=HV, K=K, V=V, BN=BN, BK=BK, BV=BV, num_warps=4 if BN <= 32 else 8,
     )
     return state
 

@@ -30,6 +30,19 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+@triton.jit
+def ancestor_mask(p_n, rows, n_sq, BN: tl.constexpr):
+    """``anc[i, j]`` (bool ``[BN, BN]``): node ``j`` is node ``i`` or one of its ancestors, given parent pointers ``p_n``.
+
+    ``M = I + P`` covers paths of length <= 1 and each clipped square doubles that, so ``n_sq = ceil(log2 N)`` squares
+    cover the tree; fp16 holds the 0/1 operands and the fp32 accumulator the path counts (<= N) exactly.
+    """
+    b_m = ((rows[:, None] == rows[None, :]) | (p_n[:, None] == rows[None, :])).to(tl.float16)
+    for _ in range(n_sq):
+        b_m = tl.minimum(tl.dot(b_m, b_m), 1.0).to(tl.float16)
+    return b_m > 0
+
+
 @triton.jit(do_not_specialize=["N", "n_sq"])   # one binary per padded size, whatever N is
 def tree_gdn_fwd_kernel(
     q, k, v, g, beta, parents, h0,         # inputs
@@ -45,134 +58,144 @@ def tree_gdn_fwd_kernel(
     BV: tl.constexpr,                      # V slice owned by this program
     BF16_DOT: tl.constexpr,                # inputs are bf16: exact bf16 products, state split hi/lo
     OUT_FP32: tl.constexpr,                # o is fp32: its last product also in tf32x3
-    LATE_QK: tl.constexpr,                 # form q.k after the solve (large BN: frees a [BN, BN] tile)
+    LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     NC: tl.constexpr = BN // BC
+    NV: tl.constexpr = (V + BV - 1) // BV
 
     rows = tl.arange(0, BN)
     m_n = rows < N
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
     tok = (i_b * N + rows).to(tl.int64)            # token index into [B, N, ...]
+    p_k = k + (tok[:, None] * H + i_h) * K
 
-    # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred) and the squared norms
-    b_kk = tl.zeros([BN, BN], dtype=tl.float32)
-    b_qk = tl.zeros([BN, BN], dtype=tl.float32)
-    b_ks = tl.zeros([BN, BV], dtype=tl.float32)
-    b_qs = tl.zeros([BN, BV], dtype=tl.float32)
-    nk = tl.zeros([BN], dtype=tl.float32)
-    nq = tl.zeros([BN], dtype=tl.float32)
-    p_h0 = h0 + i_bh.to(tl.int64) * V * K
-    for k0 in range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        m_nk = m_n[:, None] & m_k[None, :]
-        b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.)
-        b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.)
-        b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.)
-        b_kf = b_k.to(tl.float32)
-        b_qf = b_q.to(tl.float32)
-        nk += tl.sum(b_kf * b_kf, 1)
-        nq += tl.sum(b_qf * b_qf, 1)
-        if BF16_DOT:
-            s_hi = b_s.to(tl.bfloat16)
-            s_lo = (b_s - s_hi.to(tl.float32)).to(tl.bfloat16)
-            b_kk += tl.dot(b_k, tl.trans(b_k))
-            b_ks += tl.dot(b_k, tl.trans(s_hi)) + tl.dot(b_k, tl.trans(s_lo))
-            b_qs += tl.dot(b_q, tl.trans(s_hi)) + tl.dot(b_q, tl.trans(s_lo))
-            if not LATE_QK:
-                b_qk += tl.dot(b_q, tl.trans(b_k))
-        else:
-            b_kk += tl.dot(b_kf, tl.trans(b_kf), input_precision="tf32x3")
-            b_ks += tl.dot(b_kf, tl.trans(b_s), input_precision="tf32x3")
-            b_qs += tl.dot(b_qf, tl.trans(b_s), input_precision="tf32x3")
-            if not LATE_QK:
-                b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision="tf32x3")
-    rk = 1. / tl.sqrt(nk + 1e-6)
-    rq = scale / tl.sqrt(nq + 1e-6)
-
-    # ---- topology: ancestor mask, path log-decay Γ, pairwise decay e^{Γ_i - Γ_j} on ancestor pairs
-    # anc[i, j]: j is i or an ancestor of i. M = I + P covers paths of length <= 1 and each clipped square doubles
-    # that, so n_sq = ceil(log2 N) squares cover the tree; fp16 holds the 0/1 operands and fp32 the counts exactly.
-    p_n = tl.load(parents + i_b * N + rows, mask=m_n, other=-1).to(tl.int32)
-    b_m = ((rows[:, None] == rows[None, :]) | (p_n[:, None] == rows[None, :])).to(tl.float16)
-    for _ in range(n_sq):
-        b_m = tl.minimum(tl.dot(b_m, b_m), 1.0).to(tl.float16)
-    anc = b_m > 0
-    b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
-    b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
-    gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
-    eg = tl.exp(gam)
-    # Γ_i - Γ_j <= 0 on ancestor pairs; clamp before exp so that non-ancestor pairs cannot overflow
-    decay = tl.where(anc, tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.)), 0.)
-    if not LATE_QK:
-        b_p = decay * b_qk
-
-    # ---- right-hand side and the ancestor-masked system (I + L) U = R
-    b_vv = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
-                   other=0.).to(tl.float32)
-    b_r = b_beta[:, None] * (b_vv - (eg * rk)[:, None] * b_ks)
-    b_l = tl.where(rows[:, None] != rows[None, :], (b_beta * rk)[:, None] * decay * b_kk * rk[None, :], 0.)
-
-    # X = (I + L_D)^{-1} for every BC x BC diagonal block at once, on a [NC, BC, BC] view
-    blk = rows // BC
-    same_blk = blk[:, None] == blk[None, :]
-    l_diag = tl.sum(tl.reshape(tl.where(same_blk, b_l, 0.), [NC, BC, NC, BC]), 2)    # other blocks are zero
-    i3 = tl.arange(0, BC)[None, :, None]
-    j3 = tl.arange(0, BC)[None, None, :]
-    x3 = tl.where(i3 == j3, 1., 0.) + tl.zeros([NC, BC, BC], dtype=tl.float32)
-    for s in range(1, tl.minimum(N, BC)):
-        # row s of each block: x_s = e_s - Σ_{j<s} L_sj x_j (rows j < s are final; L_D is strictly lower)
-        l_s = tl.sum(tl.where(i3 == s, l_diag, 0.), 1)                               # [NC, BC]
-        x_s = tl.sum(l_s[:, :, None] * x3, 1)                                        # [NC, BC]
-        x3 = x3 - tl.where(i3 == s, x_s[:, None, :], 0.)
-    c_a = tl.arange(0, NC)[:, None, None, None]
-    c_b = tl.arange(0, NC)[None, None, :, None]
-    b_x = tl.reshape(tl.where(c_a == c_b, x3[:, :, None, :], 0.), [BN, BN])           # block diagonal
-
-    # (I + L_D) U = R - L_O U  =>  U = XR - (X L_O) U, resolved one block row at a time
-    b_xl = tl.dot(b_x, tl.where(same_blk, 0., b_l), input_precision="tf32x3")
-    b_xr = tl.dot(b_x, b_r, input_precision="tf32x3")
-    b_u = b_xr
-    for c in range(1, tl.cdiv(N, BC)):
-        b_u = tl.where((blk == c)[:, None], b_xr - tl.dot(b_xl, b_u, input_precision="tf32x3"), b_u)
-
-    # ---- outputs: o = e^Γ S0 q̂ + (ancestor-masked decayed q̂ k̂^T) U
-    if LATE_QK:
-        # large trees: q.k is formed only now, so that it does not hold registers through the solve
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_nk = m_n[:, None] & (o_k < K)[None, :]
-            b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.)
-            b_q = tl.load(q + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_nk, other=0.)
-            if BF16_DOT:
-                b_qk += tl.dot(b_q, tl.trans(b_k))
-            else:
-                b_qk += tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="tf32x3")
-        b_p = decay * b_qk
-    b_p = rq[:, None] * b_p * rk[None, :]
-    if OUT_FP32:
-        b_o = tl.dot(b_p, b_u, input_precision="tf32x3")
+    if i_v == NV:
+        # one extra program per key head writes k̂, off the critical path of the others
+        if i_hv % (HV // H) == 0:
+            nk = tl.zeros([BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                o_k = k0 + tl.arange(0, BK)
+                b_k = tl.load(p_k + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
+                nk += tl.sum(b_k * b_k, 1)
+            nrm = tl.sqrt(nk + 1e-6)
+            for k0 in range(0, K, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_nk = m_n[:, None] & (o_k < K)[None, :]
+                b_k = tl.load(p_k + o_k[None, :], mask=m_nk, other=0.).to(tl.float32)
+                tl.store(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :], b_k / nrm[:, None], mask=m_nk)
     else:
-        b_o = tl.dot(b_p, b_u)
-    b_o += (eg * rq)[:, None] * b_qs
-    m_nv = m_n[:, None] & m_v[None, :]
-    p_nv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
-    tl.store(u + p_nv, b_u, mask=m_nv)
-    tl.store(o + p_nv, b_o.to(o.dtype.element_ty), mask=m_nv)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_q = q + (tok[:, None] * H + i_h) * K
+        # the small operands first, so that their latency hides behind the K loop
+        p_n = tl.load(parents + i_b * N + rows, mask=m_n, other=-1).to(tl.int32)
+        b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
+        b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
+        b_vv = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
+                       other=0.).to(tl.float32)
 
-    # k̂ belongs to the key head: the first V slice of the first value head of its group writes it
-    if (i_v == 0) & (i_hv % (HV // H) == 0):
-        nrm = tl.sqrt(nk + 1e-6)
+        # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred) and the squared norms
+        b_kk = tl.zeros([BN, BN], dtype=tl.float32)
+        b_qk = tl.zeros([BN, BN], dtype=tl.float32)
+        b_ks = tl.zeros([BN, BV], dtype=tl.float32)
+        b_qs = tl.zeros([BN, BV], dtype=tl.float32)
+        nk = tl.zeros([BN], dtype=tl.float32)
+        nq = tl.zeros([BN], dtype=tl.float32)
+        p_h0 = h0 + i_bh.to(tl.int64) * V * K
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
-            m_nk = m_n[:, None] & (o_k < K)[None, :]
-            p_k = (tok[:, None] * H + i_h) * K + o_k[None, :]
-            b_k = tl.load(k + p_k, mask=m_nk, other=0.).to(tl.float32)
-            tl.store(k_hat + p_k, b_k / nrm[:, None], mask=m_nk)
+            m_k = o_k < K
+            m_nk = m_n[:, None] & m_k[None, :]
+            b_k = tl.load(p_k + o_k[None, :], mask=m_nk, other=0.)
+            b_q = tl.load(p_q + o_k[None, :], mask=m_nk, other=0.)
+            b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.)
+            b_kf = b_k.to(tl.float32)
+            b_qf = b_q.to(tl.float32)
+            nk += tl.sum(b_kf * b_kf, 1)
+            nq += tl.sum(b_qf * b_qf, 1)
+            if BF16_DOT:
+                s_hi = b_s.to(tl.bfloat16)
+                s_lo = (b_s - s_hi.to(tl.float32)).to(tl.bfloat16)
+                b_kk += tl.dot(b_k, tl.trans(b_k))
+                b_ks += tl.dot(b_k, tl.trans(s_hi)) + tl.dot(b_k, tl.trans(s_lo))
+                b_qs += tl.dot(b_q, tl.trans(s_hi)) + tl.dot(b_q, tl.trans(s_lo))
+                if not LATE_QK:
+                    b_qk += tl.dot(b_q, tl.trans(b_k))
+            else:
+                b_kk += tl.dot(b_kf, tl.trans(b_kf), input_precision="tf32x3")
+                b_ks += tl.dot(b_kf, tl.trans(b_s), input_precision="tf32x3")
+                b_qs += tl.dot(b_qf, tl.trans(b_s), input_precision="tf32x3")
+                if not LATE_QK:
+                    b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision="tf32x3")
+        rk = 1. / tl.sqrt(nk + 1e-6)
+        rq = scale / tl.sqrt(nq + 1e-6)
+
+        # ---- topology: ancestor mask, path log-decay Γ, pairwise decay e^{Γ_i - Γ_j} on ancestor pairs
+        anc = ancestor_mask(p_n, rows, n_sq, BN)
+        gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
+        eg = tl.exp(gam)
+        # Γ_i - Γ_j <= 0 on ancestor pairs; clamp before exp so that non-ancestor pairs cannot overflow
+        decay = tl.where(anc, tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.)), 0.)
+        if not LATE_QK:
+            b_p = decay * b_qk
+
+        # ---- right-hand side and the ancestor-masked system (I + L) U = R
+        b_r = b_beta[:, None] * (b_vv - (eg * rk)[:, None] * b_ks)
+        b_l = tl.where(rows[:, None] != rows[None, :], (b_beta * rk)[:, None] * decay * b_kk * rk[None, :], 0.)
+
+        # X = (I + L_D)^{-1} for every BC x BC diagonal block at once, on a [NC, BC, BC] view
+        blk = rows // BC
+        same_blk = blk[:, None] == blk[None, :]
+        if NC == 1:
+            l_diag = tl.reshape(b_l, [1, BC, BC])
+        else:
+            l_diag = tl.sum(tl.reshape(tl.where(same_blk, b_l, 0.), [NC, BC, NC, BC]), 2)   # other blocks are 0
+        i3 = tl.arange(0, BC)[None, :, None]
+        j3 = tl.arange(0, BC)[None, None, :]
+        x3 = tl.where(i3 == j3, 1., 0.) + tl.zeros([NC, BC, BC], dtype=tl.float32)
+        for s in range(1, tl.minimum(N, BC)):
+            # row s of each block: x_s = e_s - Σ_{j<s} L_sj x_j (rows j < s are final; L_D is strictly lower)
+            l_s = tl.sum(tl.where(i3 == s, l_diag, 0.), 1)                               # [NC, BC]
+            x_s = tl.sum(l_s[:, :, None] * x3, 1)                                        # [NC, BC]
+            x3 = x3 - tl.where(i3 == s, x_s[:, None, :], 0.)
+
+        if NC == 1:
+            b_u = tl.dot(tl.reshape(x3, [BN, BN]), b_r, input_precision="tf32x3")
+        else:
+            c_a = tl.arange(0, NC)[:, None, None, None]
+            c_b = tl.arange(0, NC)[None, None, :, None]
+            b_x = tl.reshape(tl.where(c_a == c_b, x3[:, :, None, :], 0.), [BN, BN])       # block diagonal
+            # (I + L_D) U = R - L_O U  =>  U = XR - (X L_O) U, resolved one block row at a time
+            b_xl = tl.dot(b_x, tl.where(same_blk, 0., b_l), input_precision="tf32x3")
+            b_xr = tl.dot(b_x, b_r, input_precision="tf32x3")
+            b_u = b_xr
+            for c in range(1, tl.cdiv(N, BC)):
+                b_u = tl.where((blk == c)[:, None], b_xr - tl.dot(b_xl, b_u, input_precision="tf32x3"), b_u)
+
+        # ---- outputs: o = e^Γ S0 q̂ + (ancestor-masked decayed q̂ k̂^T) U
+        if LATE_QK:
+            for k0 in range(0, K, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_nk = m_n[:, None] & (o_k < K)[None, :]
+                b_k = tl.load(p_k + o_k[None, :], mask=m_nk, other=0.)
+                b_q = tl.load(p_q + o_k[None, :], mask=m_nk, other=0.)
+                if BF16_DOT:
+                    b_qk += tl.dot(b_q, tl.trans(b_k))
+                else:
+                    b_qk += tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="tf32x3")
+            b_p = decay * b_qk
+        b_p = rq[:, None] * b_p * rk[None, :]
+        if OUT_FP32:
+            b_o = tl.dot(b_p, b_u, input_precision="tf32x3")
+        else:
+            b_o = tl.dot(b_p, b_u)
+        b_o += (eg * rq)[:, None] * b_qs
+        m_nv = m_n[:, None] & m_v[None, :]
+        p_nv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
+        tl.store(u + p_nv, b_u, mask=m_nv)
+        tl.store(o + p_nv, b_o.to(o.dtype.element_ty), mask=m_nv)
 
 
 # Whether Triton runs these kernels in its interpreter (TRITON_INTERPRET=1 when Triton was imported). The interpreter
@@ -182,15 +205,17 @@ INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 
 
 def tree_config(n: int, v_dim: int) -> dict[str, int]:
-    """Launch shape for ``n`` nodes: padded node count, solve block, V slice and warps.
+    """Launch shape for ``n`` nodes: padded node count, solve block, K chunk, V slice and warps.
 
     Small trees are bound by the state read, so they take narrow V slices (more programs pulling the state); large
-    ones by the N x N work, so they take wider slices and more warps for their [BN, BN] register tiles.
+    ones by the N x N work, so they take wider slices and more warps for their [BN, BN] register tiles. From BN = 64
+    q.k is formed after the solve (LATE_QK): it frees a [BN, BN] tile, and on Hopper with Triton 3.6 forming it in
+    the K loop beside k.k gave wrong q.k at BN = 64 (measured, bf16; not at BN <= 32).
     """
     BN = max(16, triton.next_power_of_2(n))
     BV = 16 if BN <= 32 else 32
-    return dict(BN=BN, BC=16 if BN <= 64 else 32, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=4 if BN <= 32 else 8)
+    return dict(BN=BN, BC=16 if BN <= 64 else 32, BK=64, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
+                num_warps=4 if BN <= 32 else 8, LATE_QK=BN >= 64)
 
 
 def tree_gated_delta_rule(
@@ -204,11 +229,10 @@ def tree_gated_delta_rule(
     scale: float | None = None,
     prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
-    block_v: int | None = None,
-    num_warps: int | None = None,
+    config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``tree_gated_delta_rule_ref``: returns ``o [B,N,HV,V]`` (dtype of v), ``k_hat [B,N,H,K]`` and
-    ``u [B,N,HV,V]`` (fp32), writing no per-node state. ``block_v``/``num_warps`` override the launch shape."""
+    ``u [B,N,HV,V]`` (fp32), writing no per-node state. ``config`` overrides entries of ``tree_config`` (tuning)."""
     if prefix is not None:
         raise ValueError("tree_gated_delta_rule (Triton) does not take `prefix`; use tree_gated_delta_rule_ref")
     B, N, H, K = k.shape
@@ -218,21 +242,19 @@ def tree_gated_delta_rule(
     if HV % H:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
     scale = K ** -0.5 if scale is None else scale
-    cfg = tree_config(N, V)
-    BV = block_v or cfg['BV']
+    cfg = {**tree_config(N, V), **(config or {})}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(v)
     k_hat = k.new_empty(B, N, H, K, dtype=torch.float32)
     u = v.new_empty(B, N, HV, V, dtype=torch.float32)
-    grid = (triton.cdiv(V, BV), B * HV)
+    # one column of programs per V slice, plus one that writes k̂
+    grid = (triton.cdiv(V, cfg['BV']) + 1, B * HV)
     tree_gdn_fwd_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), parents.contiguous(), initial_state.contiguous(),
         o, k_hat, u,
         scale, N, (N - 1).bit_length(),
-        H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(64, triton.next_power_of_2(K))), BV=BV,
-        BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
-        OUT_FP32=v.dtype == torch.float32,
-        LATE_QK=cfg['BN'] > 64,
-        num_warps=num_warps or cfg['num_warps'],
+        H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
+        BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
+        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], num_warps=cfg['num_warps'],
     )
     return o, k_hat, u
