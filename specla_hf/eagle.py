@@ -136,6 +136,11 @@ class SpecLADrafter(PreTrainedModel):
         Each is RMS-normalised first: the residual stream's scale grows with depth."""
         return self.fc(torch.cat([F.rms_norm(f, (f.shape[-1],), eps=self.config.norm_eps) for f in features], -1))
 
+    def target_features(self, hidden_states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The feature layers out of a target forward's ``output_hidden_states`` tuple: its entry ``i < L`` is
+        ``GDNRunner`` layer ``i``, its last entry layer ``L`` after the target's final norm (module docstring)."""
+        return [hidden_states[i] for i in self.config.feature_layers]
+
     def block_input(self, fused: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """``[embedding of token t+1 ; feature of position t]`` -> the GDN block's input."""
         return self.in_proj(torch.cat([self.embed_norm(inputs_embeds), self.feature_norm(fused)], -1))

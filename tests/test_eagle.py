@@ -1,0 +1,250 @@
+"""The target-aligned EAGLE drafter: serialization, target checks, decode-time alignment, losslessness, pruning,
+and the training CLI's smoke mode."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList, TemperatureLogitsWarper
+from transformers import TopKLogitsWarper
+
+import test_generate
+from conftest import tiny_gdn
+from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig
+from specla_hf.eagle import EagleDrafter
+from specla_hf.generation import draft_options
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: one thread is several times faster than two contending."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_drafter(target, seed: int = 5, **overrides) -> SpecLADrafter:
+    torch.manual_seed(seed)
+    cfg = SpecLADrafterConfig.for_target(target.config, **{"num_heads": 2, "head_dim": 16, **overrides})
+    return SpecLADrafter(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return make_drafter(target)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config, serialization, Auto classes
+# ---------------------------------------------------------------------------------------------------------------
+def test_config_records_the_target_and_validates_feature_layers(target):
+    cfg = SpecLADrafterConfig.for_target(target.config)
+    assert (cfg.target_model_type, cfg.hidden_size, cfg.vocab_size, cfg.target_num_hidden_layers) == \
+        ("gated_deltanet", 64, 97, 2)
+    assert cfg.feature_layers == [0, 1, 2]                  # low, mid, top of a 2-layer target
+    assert SpecLADrafterConfig(target_num_hidden_layers=21).feature_layers == [5, 10, 21]
+    for bad in ([1, 1, 2], [2, 1], [0, 3], [-1, 2]):
+        with pytest.raises(ValueError, match="feature_layers"):
+            SpecLADrafterConfig(target_num_hidden_layers=2, feature_layers=bad)
+
+
+def test_save_pretrained_round_trip_and_auto_classes(drafter, tmp_path):
+    drafter.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    # the target's embedding and LM head are used at run time, never stored
+    assert all(drafter.config.vocab_size not in t.shape for t in stored.values())
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "specla_drafter"
+    assert type(AutoConfig.from_pretrained(tmp_path)) is SpecLADrafterConfig
+    for cls in (SpecLADrafter, AutoModelForCausalLM):
+        loaded = cls.from_pretrained(tmp_path)
+        assert type(loaded) is SpecLADrafter and same_weights(loaded, drafter)
+    assert type(AutoModelForCausalLM.from_config(drafter.config)) is SpecLADrafter
+
+
+def test_loads_by_repo_id_from_an_offline_hub_cache(drafter, tmp_path):
+    """``from_pretrained("org/name")`` with HF_HUB_OFFLINE=1 reads the hub cache layout. huggingface_hub reads its
+    environment at import, so the load runs in a fresh interpreter with the variables set."""
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--specla--tiny-drafter" / "snapshots" / commit
+    drafter.save_pretrained(snapshot)
+    (cache / "models--specla--tiny-drafter" / "refs").mkdir()
+    (cache / "models--specla--tiny-drafter" / "refs" / "main").write_text(commit)
+    code = ("import torch, specla_hf\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "m = AutoModelForCausalLM.from_pretrained('specla/tiny-drafter')\n"
+            "print(type(m).__name__, sum(float(p.double().sum()) for p in m.parameters()))\n")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "home"), HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    name, checksum = run.stdout.split()[-2:]
+    assert name == "SpecLADrafter"
+    assert float(checksum) == pytest.approx(sum(float(p.detach().double().sum()) for p in drafter.parameters()), rel=1e-12)
+
+
+@pytest.mark.parametrize("change, message", [(dict(vocab=101), "vocabulary: drafter trained for 97 tokens, "
+                                                               "target has 101"),
+                                             (dict(hidden=32), "hidden size: drafter trained for 64, target has 32"),
+                                             (dict(layers=3), "layer count: drafter trained for 2 layers")])
+def test_mismatched_target_is_a_clear_error(drafter, change, message):
+    other = tiny_gdn(seed=2, **change)
+    with pytest.raises(ValueError, match=message):
+        drafter.check_target(other)
+    with pytest.raises(ValueError, match=message):
+        other.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, assistant_model=drafter)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode-time alignment: what EagleDrafter computes is what the drafter is trained on
+# ---------------------------------------------------------------------------------------------------------------
+def test_decode_time_features_and_positions_match_training(target, drafter):
+    """Training reads HF ``output_hidden_states``; decoding reads GDNRunner's layers (top one before the final
+    norm). Drafter position t reads (feature t, token t+1); deeper nodes read their parent's output hidden."""
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        fused = drafter.fuse(drafter.target_features(out.hidden_states))
+        embeds = out.hidden_states[0]
+        h_seq = drafter(fused[:, :-1], embeds[:, 1:])
+        logp_seq = torch.log_softmax(target.lm_head(drafter.norm(h_seq)), -1)[0]
+        # depth 2 below a root at position 6: position 7 reads the root's output in place of the target's feature
+        h_deep = drafter(torch.cat([fused[:, :7], h_seq[:, 6:7]], 1), embeds[:, 1:9])
+        logp_deep = torch.log_softmax(target.lm_head(drafter.norm(h_deep[:, 7])), -1)[0]
+
+    runner = GDNRunner(target)
+    cache = runner.new_cache(1)
+    eagle = drafter.candidate_generator(target, DraftOptions())
+    assert eagle.feature_layers == (0, 1, 2)
+    prefill = runner.forward(ids[:, :7], cache, logits_positions=slice(0, 0), hidden_layers=eagle.feature_layers)
+    eagle.add_features(prefill.hidden_states)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eagle.start(ids[:, :8]), logp_seq[6], **tol)      # root: pending token ids[7]
+    torch.testing.assert_close(eagle.expand([int(ids[0, 8])], [0])[0], logp_deep, **tol)
+    eagle.finish([int(ids[0, 8])])
+    # the target verifies the chain ids[7..10], accepts all of it, and hands over its features
+    chain = torch.tensor([[-1, 0, 1, 2]])
+    verify = runner.forward(ids[:, 7:11], cache, parents=chain, hidden_layers=eagle.feature_layers)
+    cache.commit(3)
+    eagle.add_features(verify.hidden_states)
+    # the drafter catches up on positions 6..9 with true features; the new root is position 10
+    torch.testing.assert_close(eagle.start(ids), logp_seq[10], **tol)
+    assert eagle.consumed == 10 and eagle.cache.seq_length == 10
+
+
+def test_one_token_prompt_has_a_zero_feature_root(target, drafter):
+    eagle = drafter.candidate_generator(target, DraftOptions(depth=3, topk=2, budget=4))
+    tree = eagle.propose(torch.tensor([[5]]))
+    assert len(tree) == 5 and eagle.cache.seq_length == 0
+    eagle.observe([])
+    assert eagle.cache.num_pending == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# losslessness through generate(assistant_model=...)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_identical_to_plain(target, drafter, tree):
+    gen = torch.Generator().manual_seed(17)
+    for trial in range(8):
+        n_prompt = int(torch.randint(1, 24, (), generator=gen))
+        n_new = int(torch.randint(1, 30, (), generator=gen))
+        ids = torch.randint(0, 97, (1, n_prompt), generator=gen)
+        plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+        extra = dict(tree_topk=int(torch.randint(2, 5, (), generator=gen)),
+                     tree_budget=int(torch.randint(4, 30, (), generator=gen))) if tree else {}
+        spec = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter, tree=tree,
+                               confidence_threshold=0.0, **extra)
+        assert torch.equal(spec, plain), (trial, n_prompt, n_new)
+        assert sum(target.specla_stats.draft_nodes) > 0 or n_new == 1
+
+
+def test_tree_sampling_is_lossless(monkeypatch):
+    """Chi-square test of (x1, x2) against the target's exact law (test_generate's helpers, drafted by EagleDrafter).
+    2000 draws: a shift of ~4% of probability mass between two likely tokens is caught."""
+    torch.manual_seed(1234)
+    target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
+    drafter = make_drafter(target, seed=31, head_dim=8)
+    monkeypatch.setattr(test_generate, "GDNDrafter", lambda model, options: model.candidate_generator(target, options))
+    ids = torch.tensor([[1, 5, 2]])
+    procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
+    p1, p2 = test_generate._exact_first_two(target, ids, procs)
+    c1, c12 = test_generate._sample_counts(target, drafter, ids, 2000, True, procs)
+    assert test_generate._chisq_pvalue(c1, p1) > 1e-3
+    assert test_generate._chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# confidence pruning
+# ---------------------------------------------------------------------------------------------------------------
+def test_pruning_never_submits_a_node_under_the_threshold(target):
+    drafter = make_drafter(target, seed=9)
+    with torch.no_grad():
+        drafter.norm.weight.mul_(12.0)   # sharpen the random drafter so cumulative confidences spread out
+    options = draft_options(tree=True, tree_topk=4, tree_budget=24, confidence_threshold=0.05)
+    eagle = EagleDrafter(drafter, target, options)
+    seen = []
+    propose = eagle.propose
+
+    def recording_propose(input_ids, max_depth=None):
+        threshold = eagle.threshold                        # adaptive: read it when the proposal starts
+        tree = propose(input_ids, max_depth)
+        seen.append((threshold, tree, eagle.last_pruned))
+        return tree
+
+    eagle.propose = recording_propose
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(4))
+    plain = target.generate(ids, max_new_tokens=40, do_sample=False)
+    assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=eagle), plain)
+    assert len({round(t, 6) for t, _, _ in seen}) > 1          # the adaptive threshold moved
+    for threshold, tree, _ in seen:
+        assert bool((tree.log_probs[1:] >= math.log(threshold)).all())
+    assert sum(p for _, _, p in seen) > 0                       # candidates were pruned ...
+    assert max(len(tree) for _, tree, _ in seen) > 2            # ... and confident ones kept, some past depth 1
+    assert any(int(tree.parents.max()) > 0 for _, tree, _ in seen)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the training CLI
+# ---------------------------------------------------------------------------------------------------------------
+def test_cpu_smoke_training_lowers_the_loss_resumes_and_drafts_losslessly(tmp_path, capsys):
+    from specla_hf import train_drafter
+    import lzma
+    words = "the of and to in is that for it as with was on be by at this from".split()
+    gen = torch.Generator().manual_seed(0)
+    with lzma.open(tmp_path / "corpus.jsonl.xz", "wt") as f:
+        for _ in range(40):
+            idx = torch.randint(0, len(words), (300,), generator=gen)
+            f.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
+    out = tmp_path / "out"
+    common = ["--cpu-smoke", "--corpus", str(tmp_path / "corpus.jsonl.xz"), "--out", str(out), "--sequences", "16",
+              "--gen-len", "32", "--eval-every-s", "1000", "--final-eval-s", "1"]
+    train_drafter.main(common + ["--steps", "10"])
+    first = json.loads((out / "train_log.json").read_text())
+    assert first["steps"] == 10 and first["error"] is None
+    train_drafter.main(common + ["--steps", "20", "--resume"])
+    assert "resumed from" in capsys.readouterr().out
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps"] == 20 and log["error"] is None
+    assert [h["step"] for h in log["history"]][:len(first["history"])] == [h["step"] for h in first["history"]]
+    assert log["final_loss"] < 0.8 * log["initial_loss"]
+    assert set(log["final_eval"]) == {"chain", "tree", "tree+pruning"}
+    assert all(r["tau"] >= 1.0 for r in log["final_eval"].values())
+
+    # the saved drafter drives the smoke target losslessly
+    target = train_drafter.smoke_target(8192, seed=0)
+    drafter = SpecLADrafter.from_pretrained(out, dtype=torch.float32)
+    ids = torch.randint(0, 8192, (1, 8), generator=gen)
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, tree=True),
+                       plain)
