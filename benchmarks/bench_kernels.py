@@ -34,10 +34,10 @@ LAYERS, H, HV, K, V, B = 21, 6, 6, 256, 512, 1
 CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share one depthwise conv of width 4
 NODES = (1, 4, 16, 32, 64, 128)
 # launch shapes tried beside tree_config's default, per padded node count BN
-SWEEP = {16: [dict(BK=128), dict(BV=32), dict(num_warps=2), dict(num_warps=8)],
-         32: [dict(BK=128), dict(BV=32), dict(num_warps=8)],
-         64: [dict(BV=16), dict(BV=16, num_warps=4), dict(num_warps=4), dict(BV=64), dict(BK=128)],
-         128: [dict(BV=16), dict(BC=16), dict(BV=64), dict(BV=16, BC=16)]}
+SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=128)],
+         32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64)],
+         64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(num_warps=2)],
+         128: [dict(BC=32), dict(num_warps=4), dict(BV=16), dict(BV=64)]}
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -139,7 +139,7 @@ def main() -> None:
         # ---- launch shapes for one layer: each checked against the reference, then timed; the best valid one is
         # timed on all layers below beside the default
         sweep, best = [], None
-        for over in [{}] + ([] if args.quick else SWEEP[tree_config(n, V)["BN"]]):
+        for over in [{}] + ([] if args.quick else SWEEP[tree_config(n, V, DTYPE)["BN"]]):
             o_t, _, u_t = tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents, L0["state"],
                                                 config=over)
             err = max(rel(o_t, o_r) / 10, rel(u_t, u_r))                     # o is bf16: 10x looser
@@ -189,7 +189,7 @@ def main() -> None:
             w = torch.randn(CONV_D, CONV_W, device=dev)
             return lambda: [tree_conv(L["x"], w, None, L["window"], parents) for L in ls]
 
-        row = dict(N=n, path_len=path_len, checks=checks, ok=ok, config=tree_config(n, V), sweep=sweep,
+        row = dict(N=n, path_len=path_len, checks=checks, ok=ok, config=tree_config(n, V, DTYPE), sweep=sweep,
                    best=best["config"] if best else None)
         for name, make in [("tree", tree), ("fla_chain", fla_chain), ("snapshot", snapshot), ("commit", commit),
                            ("conv", conv)]:

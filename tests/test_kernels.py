@@ -30,7 +30,7 @@ DEVICES = [
 # (bf16, as the model runs) and a grouped-value-head twin
 SHAPES = {"cpu": [(2, 1, 2, 20, 24), (1, 2, 2, 24, 40)], "cuda": [(2, 3, 6, 256, 512), (1, 6, 6, 256, 512)]}
 # node counts per topology
-SIZES = {"cpu": dict(chain=19, star=7, deep=33, bushy=45, single=1, forest=23),
+SIZES = {"cpu": dict(chain=19, star=7, deep=100, bushy=45, single=1, forest=23),
          "cuda": dict(chain=64, star=16, deep=128, bushy=100, single=1, forest=37)}
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
 

@@ -204,18 +204,24 @@ def tree_gdn_fwd_kernel(
 INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 
 
-def tree_config(n: int, v_dim: int) -> dict[str, int]:
-    """Launch shape for ``n`` nodes: padded node count, solve block, K chunk, V slice and warps.
+def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Launch shape for ``n`` nodes: padded node count BN, solve block BC, K chunk BK, V slice BV and warps.
 
-    Small trees are bound by the state read, so they take narrow V slices (more programs pulling the state); large
-    ones by the N x N work, so they take wider slices and more warps for their [BN, BN] register tiles. From BN = 64
-    q.k is formed after the solve (LATE_QK): it frees a [BN, BN] tile, and on Hopper with Triton 3.6 forming it in
-    the K loop beside k.k gave wrong q.k at BN = 64 (measured, bf16; not at BN <= 32).
+    Every program is a chain of dependent steps (loads, K loop, mask, solve, output), so latency, not bandwidth, sets
+    the time. For bf16 inputs (how models run) the shapes are the fastest of the sweep in benchmarks/bench_kernels.py
+    on an H200 (Triton 3.6, 1.3B shape), each checked there against the reference: few warps per program win, and
+    8 warps pay only at BN = 128 where the [BN, BN] tiles need the registers. Other dtypes keep the shapes their GPU
+    tests ran with (their tf32x3 branch holds more registers). From BN = 64 q.k is formed after the solve (LATE_QK):
+    it frees a [BN, BN] tile, and with Triton 3.6 on Hopper forming it in the K loop beside k.k gave a wrong q.k at
+    BN = 64 (bf16; not at BN <= 32).
     """
     BN = max(16, triton.next_power_of_2(n))
-    BV = 16 if BN <= 32 else 32
-    return dict(BN=BN, BC=16 if BN <= 64 else 32, BK=64, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=4 if BN <= 32 else 8, LATE_QK=BN >= 64)
+    if dtype == torch.bfloat16:
+        BC, BV, warps = {16: (16, 16, 2), 32: (16, 32, 4), 64: (16, 32, 4), 128: (16, 32, 8)}[BN]
+    else:
+        BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
+    return dict(BN=BN, BC=BC, BK=64, BV=min(BV, max(16, triton.next_power_of_2(v_dim))), num_warps=warps,
+                LATE_QK=BN >= 64)
 
 
 def tree_gated_delta_rule(
@@ -242,7 +248,7 @@ def tree_gated_delta_rule(
     if HV % H:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
     scale = K ** -0.5 if scale is None else scale
-    cfg = {**tree_config(N, V), **(config or {})}
+    cfg = {**tree_config(N, V, k.dtype), **(config or {})}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(v)
     k_hat = k.new_empty(B, N, H, K, dtype=torch.float32)
