@@ -3,7 +3,8 @@
 Semantics are those of :func:`specla_kernels.reference.tree_gated_delta_rule_ref` (without ``prefix``). For one value
 head, with ``A(i)`` the ancestors of node ``i`` (itself included) and ``Γ_i = Σ_{j∈A(i)} g_j``:
 
-    (I + L) U = R,   L_ij = β_i e^{Γ_i-Γ_j} (k̂_i·k̂_j)  for j a strict ancestor of i,   R_i = β_i (v_i - e^{Γ_i} S₀ k̂_i)
+    (I + L) U = R,   L_ij = β_i e^{Γ_i-Γ_j} (k̂_i·k̂_j)  for j a strict ancestor of i,
+                     R_i = β_i (v_i - e^{Γ_i} S₀ k̂_i)
     o_i = e^{Γ_i} S₀ q̂_i + Σ_{j∈A(i)} e^{Γ_i-Γ_j} (q̂_i·k̂_j) u_j
 
 which is one chunk of fla's WY/UT form with the causal mask replaced by the ancestor mask. One program owns one
@@ -12,8 +13,9 @@ which is one chunk of fla's WY/UT form with the causal mask replaced by the ance
 
 How the pieces are computed, and why:
 - Ancestor mask: ``M = I + P`` (``P`` the one-hot parent matrix) squared ``ceil(log2 N)`` times with exact fp16 dots
-  (entries are path counts <= N, clipped to 1 after each product): log-depth, tensor cores, no gathers. The mask is
-  rebuilt by every program (it costs a few small dots) rather than passed in, so the op keeps the reference's signature.
+  (entries are path counts <= N, clipped to 1 after each product): log-depth, tensor cores, no gathers. Every
+  program rebuilds it (a few small dots) rather than taking it as an input, so the op keeps the reference's
+  signature.
 - k and q are l2-normalised *after* the products (``k̂_i·k̂_j = (k_i·k_j) r_i r_j``), so the K loop multiplies the raw
   inputs: for bf16 inputs these products are exact in bf16 dots with fp32 accumulation. The fp32 state is split into
   two bf16 halves (hi + lo, ~16 mantissa bits) for ``S₀k`` and ``S₀q``; fp32/fp16 inputs use tf32x3 dots instead.
@@ -30,9 +32,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+
 @triton.jit
 def ancestor_mask(p_n, rows, n_sq, BN: tl.constexpr):
-    """``anc[i, j]`` (bool ``[BN, BN]``): node ``j`` is node ``i`` or one of its ancestors, given parent pointers ``p_n``.
+    """``anc[i, j]`` (bool ``[BN, BN]``): node ``j`` is node ``i`` or one of its ancestors (parent pointers ``p_n``).
 
     ``M = I + P`` covers paths of length <= 1 and each clipped square doubles that, so ``n_sq = ceil(log2 N)`` squares
     cover the tree; fp16 holds the 0/1 operands and the fp32 accumulator the path counts (<= N) exactly.
