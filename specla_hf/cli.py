@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per prompt")
     dec.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
     shape = dec.add_mutually_exclusive_group()
-    shape.add_argument("--tree", dest="tree", action="store_true", default=True, help="draft token trees (default)")
-    shape.add_argument("--chain", dest="tree", action="store_false", help="draft a single chain of tokens")
+    shape.add_argument("--tree", dest="tree", action="store_true", default=False, help="draft token trees")
+    shape.add_argument("--chain", dest="tree", action="store_false",
+                       help="draft a single chain of tokens (default, as in generate())")
     dec.add_argument("--tree-budget", type=int, default=None, help="draft nodes verified per step (tree only)")
     dec.add_argument("--confidence-threshold", type=float, default=None,
                      help="drop draft nodes whose cumulative draft probability is below this")
@@ -144,7 +145,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"the demo needs the [demo] extra ({e.name} is missing): pip install 'specla-hf[demo]'") \
             from None
     models = _load(args)
-    demo.launch(models, settings, host=args.host, port=args.port)
+    try:
+        demo.launch(models, settings, host=args.host, port=args.port)
+    except OSError as e:                 # gradio's "Cannot find empty port", or the address is not ours
+        raise UsageError(f"cannot serve the demo on {args.host}:{args.port}: {e}") from None
     return 0
 
 

@@ -98,7 +98,7 @@ def load_models(target: str | None = None, drafter: str | None = None, device: s
     try:
         make_drafter(target_model, drafter_model, draft_options(tree=True))
     except (TypeError, ValueError, NotImplementedError) as e:
-        raise ModelError(f"drafter {drafter} does not fit target {target_name}: {e}") from None
+        raise ModelError(f"drafter {drafter or LAYER_SKIP}: {e}") from None
     return Models(target_model, drafter_model, tokenizer, target_name, drafter_name)
 
 

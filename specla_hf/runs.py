@@ -16,7 +16,7 @@ from specla_hf.generation import draft_options, make_drafter
 class DecodeSettings:
     max_new_tokens: int = 128
     temperature: float = 0.0                  # 0: greedy
-    tree: bool = True                         # False: a chain of drafts
+    tree: bool = False                        # False: a chain of drafts, generate()'s default
     tree_budget: int | None = None            # None: the library defaults (specla_hf.generation)
     confidence_threshold: float | None = None
     draft_depth: int | None = None
