@@ -1,0 +1,109 @@
+"""The Gradio demo, served by `specla demo` on 127.0.0.1: its API through gradio_client, its page in Chromium."""
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tiny_checkpoints import save_tiny_checkpoints
+
+CHROMIUM = Path("/usr/bin/chromium")
+# the flags of ../shared/notes/cpu-testing.md: without the background-networking ones Chromium floods the closed
+# network with connection attempts
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return save_tiny_checkpoints(tmp_path_factory.mktemp("ckpts"))
+
+
+@pytest.fixture(scope="module")
+def server(ckpts, tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("demo") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "specla_hf.cli", "demo", "--target", str(ckpts["target"]),
+                                 "--drafter", str(ckpts["drafter"]), "--host", "127.0.0.1", "--port", str(port),
+                                 "--max-new-tokens", "24", "--tree", "--confidence-threshold", "0"],
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "0"})
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"the demo exited with {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"the demo did not come up:\n{log.read_text()}"
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def greedy_text(path: Path, prompt: str, n: int) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    return tok.decode(model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:],
+                      skip_special_tokens=True)
+
+
+def test_api_specla_text_is_plain_greedy_text(server, ckpts):
+    from gradio_client import Client
+
+    client = Client(server, verbose=False)
+    expected = greedy_text(ckpts["target"], "def add(x, y):", 40)
+    for tree in (True, False):
+        out = client.predict("def add(x, y):", 40, 0.0, tree, 12, 0.0, api_name="/generate")
+        assert out["specla"] == out["plain"] == expected and out["identical"] is True, tree
+        assert out["tau"] >= 1.0 and out["plain_tokens_per_second"] > 0 and out["specla_tokens_per_second"] > 0
+
+
+def test_api_rejects_an_empty_prompt(server):
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="Enter a prompt"):
+        Client(server, verbose=False).predict("   ", api_name="/generate")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (/usr/bin/chromium): "
+                                                  "apt-get install -y chromium chromium-driver")
+def test_browser_fills_both_panes(server, ckpts, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    prompt, n = "The quick brown fox", 24
+    expected = greedy_text(ckpts["target"], prompt, n)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1300})
+            page.goto(server)
+            page.locator("#prompt textarea").fill(prompt)
+            page.locator("#run").click()
+            expect(page.locator("#summary")).to_contain_text("identical to plain greedy decoding", timeout=120_000)
+            assert page.locator("#plain-output .specla-text").inner_text() == expected
+            # the SpecLA pane: the same text, in spans coloured by how each token came (the drafter agrees often)
+            specla = page.locator("#specla-output .specla-text")
+            assert specla.inner_text() == expected
+            assert specla.locator("span.draft").count() > 0 and specla.locator("span.bonus").count() > 0
+            expect(page.locator("#specla-stats")).to_contain_text(f"{n} tokens")
+            expect(page.locator("#steps-plot img")).to_be_visible()
+            expect(page.locator("#tree-plot img")).to_be_visible()
+            page.screenshot(path=tmp_path / "demo.png", full_page=True)
+        finally:
+            browser.close()
+    assert (tmp_path / "demo.png").stat().st_size > 20_000

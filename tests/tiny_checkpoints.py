@@ -1,0 +1,43 @@
+"""Tiny random GDN checkpoints with a character-level tokenizer, saved like real ones, for the CLI and demo tests."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import tiny_gdn
+
+EOS = "<|endoftext|>"
+CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+VOCAB = [EOS, "<unk>"] + CHARS            # 99 tokens: one per printable ASCII character
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?m)."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token="<unk>")
+
+
+def save_tiny_checkpoints(root: Path) -> dict[str, Path]:
+    """Under ``root``: ``target`` (2 blocks), ``drafter`` (the target with its weights perturbed: it agrees with the
+    target often, not always) and ``other-vocab-drafter`` (a vocabulary of 50). The models are random, so their
+    distributions are flat: pass a confidence threshold of 0, or every draft is pruned."""
+    paths = {name: root / name for name in ("target", "drafter", "other-vocab-drafter")}
+    tokenizer = char_tokenizer()
+    target = tiny_gdn(seed=0, vocab=len(VOCAB))
+    drafter = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3 * p.std())
+    for name, model in (("target", target), ("drafter", drafter),
+                        ("other-vocab-drafter", tiny_gdn(seed=2, vocab=50, layers=1))):
+        # no EOS: a random model would stop at a random point; runs go to max_new_tokens
+        model.config.pad_token_id = model.generation_config.pad_token_id = 0
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    return paths
