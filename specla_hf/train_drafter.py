@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     # training
     stop_at = deadline - args.final_eval_s - 15.0
     t_train0, error = time.time(), None
-    next_eval, next_save = t_train0, t_train0 + args.save_every_s
+    next_eval, next_save = t_train0 + args.eval_every_s, t_train0 + args.save_every_s
     first_step = state["step"]
     bar = tqdm(desc="train", unit="step", initial=first_step, total=args.steps, mininterval=5)
     window: dict[str, torch.Tensor] = {}
