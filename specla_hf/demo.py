@@ -12,7 +12,6 @@ confidence_threshold, api_name="/generate")`` returns both texts and the numbers
 from __future__ import annotations
 
 import html
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,11 +24,11 @@ from specla_hf.defaults import Models
 from specla_hf.drafting import DraftTree
 from specla_hf.generation import CHAIN_DEFAULTS, TREE_DEFAULTS
 from specla_hf.prompts import SHIPPED
-from specla_hf.runs import DecodeSettings, Run, encode, run_plain, run_specla
+from specla_hf.runs import DecodeSettings, Run, encode, run_plain, run_specla, warm_up
 
 DRAFT, BONUS = "draft", "bonus"
 COLORS = {DRAFT: "#a5dea8", BONUS: "#f9c98f"}
-UPDATE_EVERY_S = 0.1            # streamed UI refreshes at most this often
+UPDATE_EVERY_S = 0.2            # streamed UI refreshes at most this often
 CSS = f"""
 .specla-text {{font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 13px; line-height: 1.45;
   white-space: pre-wrap; tab-size: 4; min-height: 16em; max-height: 40em; overflow-y: auto; padding: 8px 10px;
@@ -52,31 +51,18 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
         s = _settings(max_new_tokens, temperature, mode == "tree", tree_budget, confidence_threshold, settings)
         ids = _encode(models, prompt)
         yield (_plain_html(""), "", _specla_html([]), "", "", None, None)
-        spec, chunks, start, shown = None, [], time.perf_counter(), 0.0
-        for item in _stream(run_specla, models, ids, s):
-            now = time.perf_counter() - start
-            if isinstance(item, Run):
-                spec = item
-            else:
-                chunks.append(item)
-            if spec is not None or now - shown >= UPDATE_EVERY_S:
-                shown = now
-                yield (_plain_html(""), "", _specla_html(_segments(models.tokenizer, chunks, spec)),
-                       _specla_line(chunks, now, spec, s), "", None, None)
-        specla = (_specla_html(_segments(models.tokenizer, chunks, spec)), _specla_line(chunks, spec.seconds, spec, s))
+        start = time.perf_counter()
+        for chunks, spec in _stream(run_specla, models, ids, s):
+            seconds = spec.seconds if spec else time.perf_counter() - start
+            specla = (_specla_html(_segments(models.tokenizer, chunks, spec)), _specla_line(chunks, seconds, spec, s))
+            yield (_plain_html(""), "", *specla, "", None, None)
         figures = (steps_figure(spec), tree_figure(spec.tree, chunks[-1], models.tokenizer))
-        plain_tokens, start, shown = [], time.perf_counter(), 0.0
-        for item in _stream(run_plain, models, ids, s):
-            now = time.perf_counter() - start
-            if isinstance(item, Run):
-                yield (_plain_html(_decode(models.tokenizer, item.tokens)), _plain_line(len(item.tokens), item.seconds),
-                       *specla, _summary(spec, item, s), *figures)
-                break
-            plain_tokens += item
-            if now - shown >= UPDATE_EVERY_S:
-                shown = now
-                yield (_plain_html(_decode(models.tokenizer, plain_tokens)), _plain_line(len(plain_tokens), now),
-                       *specla, "", *figures)
+        start = time.perf_counter()
+        for chunks, plain in _stream(run_plain, models, ids, s):
+            tokens = [t for chunk in chunks for t in chunk]
+            seconds = plain.seconds if plain else time.perf_counter() - start
+            yield (_plain_html(_decode(models.tokenizer, tokens)), _plain_line(len(tokens), seconds), *specla,
+                   _summary(spec, plain, s) if plain else "", *figures)
 
     def generate(prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, tree: bool = False,
                  tree_budget: int = TREE_DEFAULTS.budget,
@@ -130,49 +116,50 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
 
 
 def launch(models: Models, settings: DecodeSettings, host: str = "127.0.0.1", port: int = 7860) -> None:
+    warm_up(models, encode(models, "Hello"), settings)     # the first request's timings should not carry one-time costs
     build_app(models, settings).launch(server_name=host, server_port=port, ssr_mode=False, css=CSS)
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # streaming
 # ------------------------------------------------------------------------------------------------------------------
-class _QueueStreamer(BaseStreamer):
-    """Puts every chunk that generate() streams, prompt excepted, on a queue."""
+class _Collector(BaseStreamer):
+    """Keeps every chunk that generate() streams, prompt excepted."""
 
-    def __init__(self, q: queue.Queue):
-        self.queue, self.prompt_seen = q, False
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+        self.prompt_seen = False
 
     def put(self, value) -> None:
         if self.prompt_seen:
-            self.queue.put(value.flatten().tolist())
+            self.chunks.append(value.flatten().tolist())
         self.prompt_seen = True
 
     def end(self) -> None:
         pass                       # the worker thread signals the end itself, also when generate() raises
 
 
-_DONE = object()
-
-
-def _stream(run_fn: Callable[..., Run], models: Models, ids, settings: DecodeSettings) -> Iterator[list[int] | Run]:
-    """Run ``run_fn`` in a thread; yield each chunk it streams, then its Run."""
-    q: queue.Queue = queue.Queue()
-    result: dict = {}
+def _stream(run_fn: Callable[..., Run], models: Models, ids, settings: DecodeSettings) \
+        -> Iterator[tuple[list[list[int]], Run | None]]:
+    """Run ``run_fn`` in a thread; every ``UPDATE_EVERY_S`` yield the chunks streamed so far, at the end all of them
+    with the Run. The caller polls rather than waking on each chunk: a consumer woken on every token of plain
+    decoding contends for the GIL with the decoding loop and slows it several-fold."""
+    collector, done, result = _Collector(), threading.Event(), {}
 
     def work():
         try:
-            result["run"] = run_fn(models, ids, settings, _QueueStreamer(q))
+            result["run"] = run_fn(models, ids, settings, collector)
         except Exception as e:     # re-raised in the caller's thread, where gradio reports it
             result["error"] = e
         finally:
-            q.put(_DONE)
+            done.set()
 
     threading.Thread(target=work, daemon=True).start()
-    while (item := q.get()) is not _DONE:
-        yield item
+    while not done.wait(UPDATE_EVERY_S):
+        yield list(collector.chunks), None
     if "error" in result:
         raise result["error"]
-    yield result["run"]
+    yield collector.chunks, result["run"]
 
 
 def _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold,
