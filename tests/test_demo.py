@@ -8,6 +8,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny_checkpoints import save_tiny_checkpoints
 
@@ -107,3 +108,36 @@ def test_browser_fills_both_panes(server, ckpts, tmp_path):
         finally:
             browser.close()
     assert (tmp_path / "demo.png").stat().st_size > 20_000
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# in process: how the panes and the tree drawing read a run
+# ---------------------------------------------------------------------------------------------------------------
+def test_accepted_path_and_bonus_from_the_emitted_tokens():
+    from specla_hf.demo import accepted_path, tree_figure
+    from specla_hf.drafting import DraftTree
+    from tiny_checkpoints import char_tokenizer
+
+    #            0:root  1:a  2:b  3:c (child of a)  4:d (child of c)
+    tree = DraftTree(torch.tensor([9, 10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1, 3]), torch.zeros(5))
+    assert accepted_path(tree, [10, 12, 50]) == ([0, 1, 3], 50)        # a, c accepted; the target said 50, not d
+    assert accepted_path(tree, [11, 10]) == ([0, 2], 10)               # b accepted; 10 under b is the bonus
+    assert accepted_path(tree, [77]) == ([0], 77)                      # nothing accepted
+    assert accepted_path(tree, [10, 12]) == ([0, 1, 3], None)          # stopped (EOS / length) inside the drafts
+    fig = tree_figure(tree, [10, 12, 50], char_tokenizer())
+    assert "4 draft nodes, 2 accepted, then the target's token" in fig.axes[0].get_title()
+
+
+def test_segments_colour_drafts_and_the_targets_token():
+    from specla_hf.decoding import SpecLAStats
+    from specla_hf.demo import BONUS, DRAFT, _segments
+    from specla_hf.runs import Run
+    from tiny_checkpoints import char_tokenizer
+
+    tok = char_tokenizer()
+    ids = lambda text: tok(text).input_ids  # noqa: E731
+    chunks = [ids("ab!"), ids("c"), ids("de")]
+    assert _segments(tok, chunks, None) == [("ab", DRAFT), ("!", BONUS), ("c", BONUS), ("d", DRAFT), ("e", BONUS)]
+    # finished run whose last step accepted 3 drafts but stopped after 2 tokens: no bonus token in that chunk
+    run = Run(ids("ab!cde"), 1.0, SpecLAStats(steps=3, accepted=[2, 0, 3]))
+    assert _segments(tok, chunks, run)[-1] == ("de", DRAFT)
