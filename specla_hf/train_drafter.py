@@ -116,7 +116,7 @@ def sample_windows(texts: list[str], tokenizer: PreTrainedTokenizerFast, n: int,
 
 @torch.no_grad()
 def continue_text(target: GatedDeltaNetForCausalLM, prompts: torch.Tensor, new_tokens: int, temperature: float,
-                  generator: torch.Generator) -> torch.Tensor:
+                  generator: torch.Generator | None) -> torch.Tensor:
     """The target's own continuations ``[B, P + new_tokens]`` (greedy at temperature 0), on fla's recurrent cache;
     no EOS handling: every row gets ``new_tokens`` tokens, each predicted by the target from the row so far."""
     out = target(input_ids=prompts, use_cache=True)
@@ -142,7 +142,11 @@ def drafter_loss(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: to
     Drafter position ``t`` (``0..T-2``) reads the target's feature of position ``t`` and token ``t+1``; its label is
     the target's distribution at position ``t+1`` (over token ``t+2``).
     """
-    with torch.no_grad(), amp:
+    # the stock fla forward, no gradient: on CUDA under no_grad, in the fused_recurrent mode main() sets (the kernel
+    # the target's generation compiled and autotuned already; fla's chunk kernels would autotune for ~2 minutes on a
+    # cold machine); on the CPU in grad mode with nothing requiring grad, so the backend takes its chunked delta rule
+    # rather than a token-by-token loop
+    with torch.set_grad_enabled(x.device.type != "cuda"), amp:
         out = target(input_ids=x, output_hidden_states=True, use_cache=False)
         features = [f[:, :-1] for f in drafter.target_features(out.hidden_states)]
         embeds = out.hidden_states[0][:, 1:]                      # the target's embeddings of tokens 1..T-1
@@ -176,26 +180,30 @@ def drafter_loss(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: to
 @torch.no_grad()
 def evaluate_tau(target: GatedDeltaNetForCausalLM, drafter: SpecLADrafter, prompts: torch.Tensor, new_tokens: int,
                  drafting: dict, time_limit_s: float = float("inf")) -> dict:
-    """Greedy speculative decoding of every prompt (until ``time_limit_s``): tau and tree statistics."""
+    """Greedy speculative decoding of every prompt (until ``time_limit_s``): tau, tree statistics, and the fraction
+    of emitted tokens identical to plain greedy decoding (1.0 unless the decoding path is broken: a wrong verify
+    can inflate tau)."""
     d = copy.deepcopy(drafter).to(target.dtype).eval()
     runner = GDNRunner.for_model(target)
     options = draft_options(**drafting)
-    steps = accepted = nodes = done = 0
+    steps = accepted = nodes = done = same = 0
     draft_s = verify_s = 0.0
     t0 = time.time()
     for prompt in prompts:
         ids = prompt[None].to(target.device)
         n = ids.shape[1] + new_tokens
-        _, stats, _, _ = speculative_decode(runner, d.candidate_generator(target, options), ids,
-                                            LogitsProcessorList(), StoppingCriteriaList([MaxLengthCriteria(n)]),
-                                            do_sample=False, max_length=n)
+        seq, stats, _, _ = speculative_decode(runner, d.candidate_generator(target, options), ids,
+                                              LogitsProcessorList(), StoppingCriteriaList([MaxLengthCriteria(n)]),
+                                              do_sample=False, max_length=n)
+        plain = continue_text(target, ids, new_tokens, 0.0, None)
+        same += int((seq[0, ids.shape[1]:] == plain[0, ids.shape[1]:]).sum())
         steps, accepted, nodes = steps + stats.steps, accepted + sum(stats.accepted), nodes + sum(stats.draft_nodes)
         draft_s, verify_s, done = draft_s + stats.draft_time, verify_s + stats.verify_time, done + 1
         if time.time() - t0 > time_limit_s:
             break
     return {"tau": (accepted + steps) / max(steps, 1), "nodes_per_step": nodes / max(steps, 1),
-            "rejected_per_step": (nodes - accepted) / max(steps, 1), "steps": steps, "prompts": done,
-            "draft_s": draft_s, "verify_s": verify_s, "options": vars(options)}
+            "rejected_per_step": (nodes - accepted) / max(steps, 1), "identical": same / (done * new_tokens),
+            "steps": steps, "prompts": done, "draft_s": draft_s, "verify_s": verify_s, "options": vars(options)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,6 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         target = GatedDeltaNetForCausalLM.from_pretrained(
             args.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     target = target.to(device).eval().requires_grad_(False)
+    if device.type == "cuda":
+        for block in target.model.layers:   # see drafter_loss: no new kernels to autotune for the feature forward
+            block.attn.mode = "fused_recurrent"
     print(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters, "
           f"{target.config.num_hidden_layers} layers, hidden {target.config.hidden_size} on {device}")
 
@@ -437,13 +448,13 @@ def main(argv: list[str] | None = None) -> None:
             final[name] = evaluate_tau(target, drafter, eval_prompts, args.eval_new_tokens, drafting, per_config_s)
         except Exception as e:
             final[name] = {"error": f"{type(e).__name__}: {e}"}
-    print(f"\n{'drafting':<14}{'tau':>6}{'nodes/step':>12}{'rejected/step':>15}{'prompts':>9}")
+    print(f"\n{'drafting':<14}{'tau':>6}{'nodes/step':>12}{'rejected/step':>15}{'identical':>11}{'prompts':>9}")
     for name, r in final.items():
         if "error" in r:
             print(f"{name:<14} failed: {r['error']}")
         else:
             print(f"{name:<14}{r['tau']:>6.2f}{r['nodes_per_step']:>12.1f}{r['rejected_per_step']:>15.1f}"
-                  f"{r['prompts']:>9}")
+                  f"{r['identical']:>11.3f}{r['prompts']:>9}")
     history = state["history"]
     log = {
         "args": {k: str(v) for k, v in vars(args).items()}, "config": drafter.config.to_dict(),

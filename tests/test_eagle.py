@@ -239,7 +239,7 @@ def test_cpu_smoke_training_lowers_the_loss_resumes_and_drafts_losslessly(tmp_pa
     assert [h["step"] for h in log["history"]][:len(first["history"])] == [h["step"] for h in first["history"]]
     assert log["final_loss"] < 0.8 * log["initial_loss"]
     assert set(log["final_eval"]) == {"chain", "tree", "tree+pruning"}
-    assert all(r["tau"] >= 1.0 for r in log["final_eval"].values())
+    assert all(r["tau"] >= 1.0 and r["identical"] == 1.0 for r in log["final_eval"].values())
 
     # the saved drafter drives the smoke target losslessly
     target = train_drafter.smoke_target(8192, seed=0)
