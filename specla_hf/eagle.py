@@ -181,7 +181,6 @@ class _BlockRunner(GDNRunner):
     def __init__(self, drafter: SpecLADrafter):
         # not GDNRunner.__init__: that one checks and wraps a whole GatedDeltaNetForCausalLM
         self.model = drafter
-        self.config = drafter.config
         self.blocks = [drafter.block]
         self.mixers = [drafter.block.attn]
         self.graphs = None        # eager: the drafter's calls are not captured in CUDA graphs
