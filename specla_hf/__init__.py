@@ -3,8 +3,13 @@
 ``import specla_hf`` gives fla's Triton-only modules a torch path on CPU and lets
 ``GatedDeltaNetForCausalLM.generate(..., assistant_model=drafter)`` run speculative decoding.
 """
-from specla_hf import backend as _backend
-from specla_hf import generation as _generation
+import warnings
+
+# fla warns on every CPU import that Triton has no GPU driver; on CPU SpecLA runs its torch path by design
+warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+
+from specla_hf import backend as _backend  # noqa: E402
+from specla_hf import generation as _generation  # noqa: E402
 
 _backend.install()
 _generation.install()

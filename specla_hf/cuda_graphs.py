@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 MAX_SEQ_TOKENS = 4
 MAX_TREE_BUCKET = 128
@@ -26,7 +27,7 @@ def tree_bucket(n: int) -> int:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: "torch.cuda.CUDAGraph | EmulatedGraph"
     ids: torch.Tensor
     parents: torch.Tensor | None
     prefix: tuple | None            # static copies of the pending parents and factors the call extends
@@ -35,10 +36,15 @@ class _Graph:
 
 
 class GraphedForward:
-    """Capture-on-first-use and replay of ``runner._forward`` keyed by call shape (see module docstring)."""
+    """Capture-on-first-use and replay of ``runner._forward`` keyed by call shape (see module docstring).
 
-    def __init__(self, runner):
+    ``emulate=True`` swaps CUDA graphs for ``EmulatedGraph`` so that the capture/replay bookkeeping runs (and is
+    tested) on CPU.
+    """
+
+    def __init__(self, runner, emulate: bool = False):
         self.runner = runner
+        self.emulate = emulate
         # each graph gets its own memory pool: the outputs of one (e.g. the target's pending factors) must survive
         # the replays of others (the drafter's) until they are committed
         self.graphs: dict[tuple, _Graph] = {}
@@ -72,7 +78,6 @@ class GraphedForward:
         return g.out
 
     def _capture(self, input_ids, cache, parents, logits_positions, hidden_layers) -> _Graph:
-        runner = self.runner
         ids = input_ids.clone()
         static_parents = None if parents is None else parents.clone()
         prefix = None
@@ -81,22 +86,63 @@ class GraphedForward:
         saved = _snapshot(cache)
 
         def call():
-            _restore(cache, saved, prefix)
-            return runner._forward(ids, cache, static_parents, logits_positions, hidden_layers)
+            out = self.runner._forward(ids, cache, static_parents, logits_positions, hidden_layers)
+            pending = None if parents is None else (cache.parents, [(l.k_hat, l.u, l.g, l.x) for l in cache.layers])
+            return out, pending
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()                                   # warm-up: Triton compile/autotune, cuBLAS handles
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
-        pending = None
-        if parents is not None:
-            pending = (cache.parents, [(l.k_hat, l.u, l.g, l.x) for l in cache.layers])
-        _restore(cache, saved, prefix)               # capture ran nothing; warm-up's effects are undone
+        # the restores stay OUTSIDE the captured region: a copy recorded in a graph would be replayed on every step
+        _restore(cache, saved, prefix)
+        if self.emulate:
+            graph = EmulatedGraph()
+            out, pending = graph.capture(call, cache)
+        else:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                call()                               # warm-up: Triton compile/autotune, cuBLAS handles
+            torch.cuda.current_stream().wait_stream(stream)
+            _restore(cache, saved, prefix)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out, pending = call()                # recorded, not run
+        _restore(cache, saved, prefix)               # undo the warm-up / Python-side effects of the capture
         return _Graph(graph, ids, static_parents, prefix, out, pending)
+
+
+class EmulatedGraph:
+    """CPU stand-in for ``torch.cuda.CUDAGraph`` (tests): a replay re-runs the captured call on the capture-time
+    Python-side inputs and writes its tensors into the captured outputs, then undoes its Python-side effects, as a
+    real replay (which runs only the recorded kernels) has none."""
+
+    def capture(self, fn, cache):
+        self.fn, self.cache = fn, cache
+        self.inputs = _python_side(cache)
+        self.result = fn()
+        return self.result
+
+    def replay(self) -> None:
+        now = _python_side(self.cache)
+        _set_python_side(self.cache, self.inputs)
+        new = self.fn()
+        for dst, src in zip(tree_flatten(_plain(self.result))[0], tree_flatten(_plain(new))[0]):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        _set_python_side(self.cache, now)
+
+
+def _plain(result):
+    out, pending = result
+    return (out.logits, out.hidden_states), pending
+
+
+def _python_side(cache) -> tuple:
+    return cache.seq_length, cache.parents, [(l.k_hat, l.u, l.g, l.x) for l in cache.layers]
+
+
+def _set_python_side(cache, side) -> None:
+    cache.seq_length, cache.parents, factors = side
+    for layer, (k_hat, u, g, x) in zip(cache.layers, factors):
+        layer.k_hat, layer.u, layer.g, layer.x = k_hat, u, g, x
 
 
 def _slice_key(s: slice | None):
