@@ -5,6 +5,10 @@ import pytest
 import torch
 
 import specla_hf  # noqa: F401  (installs the CPU torch path and generate(assistant_model=...))
+
+# batch-1 decoding is thousands of tiny ops: one intra-op thread is fastest, and on a busy 2-core machine two
+# threads spin-wait on each other for ~0.1 s per op
+torch.set_num_threads(1)
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
 
