@@ -13,6 +13,7 @@ import argparse
 import statistics
 import sys
 
+import torch
 from transformers.utils import logging as hf_logging
 
 from specla_hf.defaults import DTYPES, LAYER_SKIP, ModelError, Models, load_models
@@ -167,6 +168,10 @@ def _settings(args: argparse.Namespace) -> DecodeSettings:
 
 
 def _load(args: argparse.Namespace) -> Models:
+    if args.device == "cpu":
+        # batch-1 decoding is thousands of tiny ops: one intra-op thread is fastest, and avoids the multi-second
+        # stalls of threads spin-waiting on a busy machine (both decoders get the same setting)
+        torch.set_num_threads(1)
     return load_models(args.target, args.drafter, args.device, args.dtype)
 
 
