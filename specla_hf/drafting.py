@@ -12,6 +12,7 @@ drafting. Subclasses say how one drafter pass scores a set of frontier nodes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,14 +32,6 @@ class DraftTree:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
-
-    def path_tokens(self, node: int) -> list[int]:
-        """Draft tokens from the root (exclusive) to ``node`` (inclusive)."""
-        out, parents, tokens = [], self.parents.tolist(), self.tokens.tolist()
-        while node > 0:
-            out.append(tokens[node])
-            node = parents[node]
-        return out[::-1]
 
 
 @dataclass
@@ -197,7 +190,7 @@ class DynamicTreeDrafter(CandidateGenerator):
 
 
 def _log(p: float) -> float:
-    return float("-inf") if p <= 0 else float(torch.tensor(p).log())
+    return float("-inf") if p <= 0 else math.log(p)
 
 
 class GDNDrafter(DynamicTreeDrafter):
