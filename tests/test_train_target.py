@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_cpu_smoke_training_lowers_loss_and_saves_a_loadable_model(tmp_path):
     out = tmp_path / "tiny"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_target.py"), "--cpu-smoke",
-                          "--minutes", "0.5", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                          "--minutes", "1.0", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     log = json.loads((out / "train_log.json").read_text())
     assert log["error"] is None
