@@ -91,14 +91,18 @@ def bench_target(label, target, drafter, tok, prompts, n_new, hf_prompts):
         per = {m: [] for m in METHODS}
         for i, text in enumerate(texts):
             ids = tok(text, return_tensors="pt").input_ids[:, :256].to(target.device)
-            ref = None
+            ref = hf = None
             for name in METHODS:
                 if name == "hf_generate" and i >= hf_prompts:
                     continue
                 toks, dt, stats, mem = run_method(name, target, drafter, ids, n_new)
+                if name == "hf_generate":
+                    hf = toks
                 if name == "graph_ar":
                     ref = toks
                 rec = {"ms_per_token": 1e3 * dt / len(toks), "tokens": len(toks), "seconds": dt, "peak_mem": mem}
+                if name == "graph_ar" and hf is not None:      # our baseline must decode what stock HF decodes
+                    rec["match_hf"] = sum(a == b for a, b in zip(toks, hf)) / len(hf)
                 if ref is not None and name != "hf_generate":
                     rec["match_ar"] = sum(a == b for a, b in zip(toks, ref)) / len(ref)
                     rec["identical_ar"] = toks == ref
@@ -128,6 +132,8 @@ def summarise(results):
                       if "draft_s" in v[0] else "-")
                 rej = f"{statistics.mean(r['rejected_per_step'] for r in v):.1f}" if "tau" in v[0] else "-"
                 match = f"{100 * statistics.mean(r['match_ar'] for r in v):.1f}%" if "match_ar" in v[0] else "-"
+                if "match_hf" in v[0]:
+                    match += f" (= HF {100 * statistics.mean(r['match_hf'] for r in v if 'match_hf' in r):.1f}%)"
                 lines.append(f"| {label} | {set_name} | {m} | {ms:.2f} | {1e3 / ms:.0f} | "
                              f"{med['hf_generate'] / ms:.1f}x | {med['graph_ar'] / ms:.2f}x | {tau} | {dv} | {rej} | "
                              f"{match} | {max(r['peak_mem'] for r in v) / 2**20:.0f} |")
