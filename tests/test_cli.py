@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_gdn
-from tiny_checkpoints import save_tiny_checkpoints
+from tiny_checkpoints import greedy_text, save_tiny_checkpoints
 from specla_hf.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET, layer_skip_drafter
 from specla_hf.prompts import SHIPPED, load_prompts
 
@@ -48,15 +48,6 @@ def one_line_error(run: subprocess.CompletedProcess) -> str:
     ours = [line for line in run.stderr.splitlines() if line.startswith("specla")]
     assert len(ours) == 1 and ours[0].startswith("specla: error: ") and run.stderr.rstrip().endswith(ours[0])
     return ours[0]
-
-
-def greedy_text(path: Path, prompt: str, n: int) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = tok(prompt, return_tensors="pt").input_ids
-    return tok.decode(model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:],
-                      skip_special_tokens=True)
 
 
 def test_generate_streams_the_greedy_text_then_a_stats_line(ckpts):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_checkpoints import save_tiny_checkpoints
+from tiny_checkpoints import greedy_text, save_tiny_checkpoints
 
 CHROMIUM = Path("/usr/bin/chromium")
 # the flags of ../shared/notes/cpu-testing.md: without the background-networking ones Chromium floods the closed
@@ -51,15 +51,6 @@ def server(ckpts, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def greedy_text(path: Path, prompt: str, n: int) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = tok(prompt, return_tensors="pt").input_ids
-    return tok.decode(model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:],
-                      skip_special_tokens=True)
 
 
 def test_api_specla_text_is_plain_greedy_text(server, ckpts):

@@ -41,3 +41,13 @@ def save_tiny_checkpoints(root: Path) -> dict[str, Path]:
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
     return paths
+
+
+def greedy_text(path: Path, prompt: str, n: int) -> str:
+    """Plain greedy continuation of ``prompt`` by the checkpoint at ``path`` (the reference text CLI/demo must match)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    return tok.decode(model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:],
+                      skip_special_tokens=True)
