@@ -48,43 +48,83 @@ def inflate_gdn(small: GatedDeltaNetForCausalLM, config: GatedDeltaNetConfig,
     with torch.device(device):
         big = GatedDeltaNetForCausalLM(c).to(dtype)
     r_h = math.sqrt(h_s / h_b)
-
-    def put(dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.zero_()
-        dst[tuple(slice(0, n) for n in src.shape)] = src.to(dst)
-
-    put(big.model.embeddings.weight, small.model.embeddings.weight)
-    put(big.lm_head.weight, small.lm_head.weight)
-    put(big.model.norm.weight, small.model.norm.weight * r_h)
+    _put(big.model.embeddings.weight, small.model.embeddings.weight)
+    _put(big.lm_head.weight, small.lm_head.weight)
+    _put(big.model.norm.weight, small.model.norm.weight * r_h)
     for i, b_block in enumerate(big.model.layers):
         if i >= s_cfg.num_hidden_layers:                     # extra block: full cost, zero contribution
             b_block.attn.o_proj.weight.zero_()
             b_block.mlp.down_proj.weight.zero_()
-            continue
-        s_block = small.model.layers[i]
-        put(b_block.attn_norm.weight, s_block.attn_norm.weight * r_h)
-        put(b_block.mlp_norm.weight, s_block.mlp_norm.weight * r_h)
-        for name in ("gate_proj", "up_proj"):
-            put(getattr(b_block.mlp, name).weight, getattr(s_block.mlp, name).weight)
-        put(b_block.mlp.down_proj.weight, s_block.mlp.down_proj.weight)
-        sa, ba = s_block.attn, b_block.attn
-        H, Hb = sa.num_heads, ba.num_heads
-        K, Kb, V, Vb = sa.head_k_dim, ba.head_k_dim, sa.head_v_dim, ba.head_v_dim
-        for name, small_dim, big_dim in (("q", K, Kb), ("k", K, Kb), ("v", V, Vb)):
-            put(getattr(ba, f"{name}_proj").weight,
-                _pad_rows_per_head(getattr(sa, f"{name}_proj").weight, H, small_dim, big_dim, Hb))
-            if sa.use_short_conv:
-                put(getattr(ba, f"{name}_conv1d").weight,
-                    _pad_rows_per_head(getattr(sa, f"{name}_conv1d").weight, H, small_dim, big_dim, Hb))
-        if sa.use_gate:
-            put(ba.g_proj.weight, _pad_rows_per_head(sa.g_proj.weight, H, V, Vb, Hb))
-        for name in ("a_proj", "b_proj"):
-            put(getattr(ba, name).weight, getattr(sa, name).weight)
-        ba.A_log[:H] = sa.A_log.to(ba.A_log)
-        ba.dt_bias[:H] = sa.dt_bias.to(ba.dt_bias)
-        put(ba.o_norm.weight, sa.o_norm.weight * math.sqrt(V / Vb))
-        ba.o_norm.eps = sa.o_norm.eps * (K / Kb) * (V / Vb)
-        o = sa.o_proj.weight.view(h_s, H, V)
-        ba.o_proj.weight.zero_()
-        ba.o_proj.weight.view(h_b, Hb, Vb)[:h_s, :H, :V] = o.to(ba.o_proj.weight)
+        else:
+            _inflate_block(small.model.layers[i], b_block, r_h)
+    return big.eval()
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Zero ``dst`` and write ``src`` into its leading corner."""
+    dst.zero_()
+    dst[tuple(slice(0, n) for n in src.shape)] = src.to(dst)
+
+
+def _inflate_block(s_block, b_block, r_h: float) -> None:
+    """One fla ``GatedDeltaNetBlock`` into a wider one (hidden-size norms scaled by ``r_h``, heads padded)."""
+    _put(b_block.attn_norm.weight, s_block.attn_norm.weight * r_h)
+    _put(b_block.mlp_norm.weight, s_block.mlp_norm.weight * r_h)
+    for name in ("gate_proj", "up_proj"):
+        _put(getattr(b_block.mlp, name).weight, getattr(s_block.mlp, name).weight)
+    _put(b_block.mlp.down_proj.weight, s_block.mlp.down_proj.weight)
+    sa, ba = s_block.attn, b_block.attn
+    H, Hb = sa.num_heads, ba.num_heads
+    K, Kb, V, Vb = sa.head_k_dim, ba.head_k_dim, sa.head_v_dim, ba.head_v_dim
+    for name, small_dim, big_dim in (("q", K, Kb), ("k", K, Kb), ("v", V, Vb)):
+        _put(getattr(ba, f"{name}_proj").weight,
+            _pad_rows_per_head(getattr(sa, f"{name}_proj").weight, H, small_dim, big_dim, Hb))
+        if sa.use_short_conv:
+            _put(getattr(ba, f"{name}_conv1d").weight,
+                _pad_rows_per_head(getattr(sa, f"{name}_conv1d").weight, H, small_dim, big_dim, Hb))
+    if sa.use_gate:
+        _put(ba.g_proj.weight, _pad_rows_per_head(sa.g_proj.weight, H, V, Vb, Hb))
+    for name in ("a_proj", "b_proj"):
+        _put(getattr(ba, name).weight, getattr(sa, name).weight)
+    ba.A_log[:H] = sa.A_log.to(ba.A_log)
+    ba.dt_bias[:H] = sa.dt_bias.to(ba.dt_bias)
+    _put(ba.o_norm.weight, sa.o_norm.weight * math.sqrt(V / Vb))
+    ba.o_norm.eps = sa.o_norm.eps * (K / Kb) * (V / Vb)
+    h_s, h_b = sa.o_proj.weight.shape[0], ba.o_proj.weight.shape[0]
+    o = sa.o_proj.weight.view(h_s, H, V)
+    ba.o_proj.weight.zero_()
+    ba.o_proj.weight.view(h_b, Hb, Vb)[:h_s, :H, :V] = o.to(ba.o_proj.weight)
+
+
+@torch.no_grad()
+def inflate_drafter(drafter, small_target: GatedDeltaNetForCausalLM, big_target: GatedDeltaNetForCausalLM):
+    """A ``SpecLADrafter`` trained for ``small_target``, widened for ``inflate_gdn(small_target, ...)``.
+
+    The inflated target's hidden states are the small target's padded with zeros, and its top layer (after the extra,
+    zero-output blocks) equals the small target's; so the drafter is widened the same way (its block like a target
+    block, its feature and input projections padded, norms rescaled) and reads the top feature from the inflated
+    target's top layer. It then drafts exactly what the small drafter drafts, at the cost of a drafter of the large
+    target's width (one block of the large shape plus the large target's LM head).
+    """
+    from specla_hf.eagle import SpecLADrafter, SpecLADrafterConfig
+
+    drafter.check_target(small_target)
+    s_cfg, L_s, L_b = drafter.config, small_target.config.num_hidden_layers, big_target.config.num_hidden_layers
+    layers = [L_b if i == L_s else i for i in s_cfg.feature_layers]
+    cfg = SpecLADrafterConfig.for_target(big_target.config, feature_layers=layers, hidden_ratio=s_cfg.hidden_ratio)
+    h_s, h_b = s_cfg.hidden_size, cfg.hidden_size
+    cfg.norm_eps = s_cfg.norm_eps * h_s / h_b          # every hidden-size norm sees mean(x^2) shrink by h_s/h_b
+    with torch.device(big_target.device):
+        big = SpecLADrafter(cfg).to(big_target.dtype)
+    r_h = math.sqrt(h_s / h_b)
+    # fuse() RMS-normalises each padded feature over the wide width: its output grows by 1 / r_h, so fc shrinks
+    fc = big.fc.weight.view(h_b, len(layers), h_b)
+    fc.zero_()
+    fc[:h_s, :, :h_s] = drafter.fc.weight.view(h_s, len(layers), h_s).to(fc) * r_h
+    w = big.in_proj.weight.view(h_b, 2, h_b)          # [embedding ; feature] halves
+    w.zero_()
+    w[:h_s, :, :h_s] = drafter.in_proj.weight.view(h_s, 2, h_s).to(w)
+    for name in ("embed_norm", "feature_norm", "norm"):
+        _put(getattr(big, name).weight, getattr(drafter, name).weight * r_h)
+    _inflate_block(drafter.block, big.block, r_h)
     return big.eval()

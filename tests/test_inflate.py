@@ -1,4 +1,5 @@
 """The inflated model computes the small model's function (and SpecLA decodes it losslessly too)."""
+import pytest
 import torch
 from fla.models import GatedDeltaNetConfig
 
@@ -19,3 +20,33 @@ def test_inflated_model_matches_small_model():
     assert torch.equal(big.generate(prompt, max_new_tokens=20, do_sample=False), plain_small)
     assert torch.equal(big.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=small, tree=True,
                                     confidence_threshold=0.0), plain_small)
+
+
+def test_inflated_drafter_drafts_what_the_small_drafter_drafts():
+    from specla_hf import SpecLADrafter, SpecLADrafterConfig
+    from specla_hf.inflate import inflate_drafter
+    small = tiny_gdn(seed=13, hidden=64, layers=3, heads=2, head_dim=16)
+    torch.manual_seed(3)
+    drafter = SpecLADrafter(SpecLADrafterConfig.for_target(small.config, num_heads=2, head_dim=16)).eval()
+    with torch.no_grad():                       # peaked draft distributions: top-k choices are not near-ties
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    cfg = GatedDeltaNetConfig(hidden_size=160, num_hidden_layers=6, num_heads=3, head_dim=32, expand_v=2,
+                              hidden_ratio=2, vocab_size=97, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    big = inflate_gdn(small, cfg)
+    big_drafter = inflate_drafter(drafter, small, big)
+    assert big_drafter.config.feature_layers == [0, 1, 6]        # small top layer 3 -> inflated top layer 6
+    assert big_drafter.config.hidden_size == 160
+    with pytest.raises(ValueError, match="does not fit"):
+        big_drafter.check_target(small)
+
+    prompt = torch.randint(0, 97, (1, 9))
+    kw = dict(max_new_tokens=24, do_sample=False, tree=True, confidence_threshold=0.0)
+    out_small = small.generate(prompt, assistant_model=drafter, **kw)
+    stats_small = small.specla_stats
+    out_big = big.generate(prompt, assistant_model=big_drafter, **kw)
+    assert torch.equal(out_big, out_small)
+    assert torch.equal(out_small, small.generate(prompt, max_new_tokens=24, do_sample=False))
+    assert big.specla_stats.draft_nodes == stats_small.draft_nodes
+    assert big.specla_stats.accepted == stats_small.accepted
