@@ -11,7 +11,7 @@ own state and inputs, 63 MiB of states in all):
 - ``fla chain``: fla's ``fused_recurrent_gated_delta_rule`` on a chain of N tokens (outputs only);
 - ``snapshot``: the tree verified the snapshot way: fla's fused_recurrent once per node from its parent's state,
   writing a full [HV, V, K] fp32 state per node;
-- ``commit``: ``commit_state_`` + ``commit_window_`` of the tree's deepest path.
+- ``commit``: ``commit_states_`` + ``commit_windows_`` of the tree's deepest path (all layers: one launch each).
 and it reports bytes moved against the measured device-to-device copy bandwidth, and factor vs snapshot memory.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 
 from specla_kernels import reference as ref
-from specla_kernels.commit import commit_state_, commit_window_
+from specla_kernels.commit import commit_state_, commit_states_, commit_windows_
 from specla_kernels.tree_conv import tree_conv
 from specla_kernels.tree_delta import tree_config, tree_gated_delta_rule
 
@@ -180,10 +180,11 @@ def main() -> None:
             _, kh, uu = tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"])
             factors.append((kh, uu))
 
-        def commit(ls):
-            return lambda: [(commit_state_(L["state"], kh, uu, L["g"], parents, accepted),
-                             commit_window_(L["x"], L["window"], parents, accepted))
-                            for L, (kh, uu) in zip(ls, factors)]
+        def commit(ls):      # every layer in one launch for the states and one for the windows, as the cache does
+            fs = factors[:len(ls)]
+            return lambda: (commit_states_([L["state"] for L in ls], [kh for kh, _ in fs], [uu for _, uu in fs],
+                                           [L["g"] for L in ls], parents, accepted),
+                            commit_windows_([L["x"] for L in ls], [L["window"] for L in ls], parents, accepted))
 
         def conv(ls):
             w = torch.randn(CONV_D, CONV_W, device=dev)

@@ -17,7 +17,8 @@ import torch
 
 from specla_kernels import ops
 from specla_kernels import reference as ref
-from specla_kernels.commit import commit_state_, commit_window_
+from specla_kernels.commit import commit_state_, commit_states_, commit_window_, commit_windows_
+from specla_kernels.gate import gdn_gate_beta
 from specla_kernels.tree_conv import tree_conv
 from specla_kernels.tree_delta import INTERPRETED, tree_gated_delta_rule
 
@@ -223,6 +224,40 @@ def test_verify_then_commit_equals_recurrence_along_path(device, kind):
         check(s[b:b + 1], s_rec, 1e-2, f"state after path to {int(accepted[b])}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bushy", "deep", "single"])
+def test_commit_all_layers_in_one_launch(device, kind):
+    """``commit_states_`` / ``commit_windows_`` (one launch, per-layer address tables) equal the per-layer reference
+    on layers with their own states, factors and windows (separate allocations, as in a model)."""
+    gen = seeded(kind, 'layers')
+    _, H, HV, K, V = SHAPES[device][0]
+    _, D, W = CONV[device][1]
+    B, L, Nt = 2, 3, SIZES[device][kind]
+    parents = random_parents(kind, B, Nt, gen).to(device)
+    accepted = torch.tensor([int(torch.randint(0, Nt, (1,), generator=gen)), -1 if Nt > 1 else 0], device=device)
+    layers = [dict(state=torch.randn(B, HV, V, K, generator=gen), k_hat=ref.l2norm(torch.randn(B, Nt, H, K, generator=gen)),
+                   u=torch.randn(B, Nt, HV, V, generator=gen), g=-torch.rand(B, Nt, HV, generator=gen) * 0.3,
+                   x=torch.randn(B, Nt, D, generator=gen).bfloat16(), window=torch.randn(B, D, W, generator=gen).bfloat16())
+              for _ in range(L)]
+    layers = [{k: t.to(device) for k, t in layer.items()} for layer in layers]
+    want = [(ref.commit_state_ref(l["state"], l["k_hat"], l["u"], l["g"], parents, accepted),
+             ref.commit_window_ref(l["x"], l["window"], parents, accepted)) for l in layers]
+    states = [l["state"].clone() for l in layers]
+    windows = [l["window"].clone() for l in layers]
+    for _ in range(2):       # the second call reuses the cached address tables
+        for s, w, l in zip(states, windows, layers):
+            s.copy_(l["state"])
+            w.copy_(l["window"])
+        commit_states_(states, [l["k_hat"] for l in layers], [l["u"] for l in layers], [l["g"] for l in layers],
+                       parents, accepted)
+        commit_windows_([l["x"] for l in layers], windows, parents, accepted)
+        for i, (s, w, (s_want, w_want)) in enumerate(zip(states, windows, want)):
+            check(s, s_want, 1e-3, f"state of layer {i}")
+            assert torch.equal(w, w_want), f"window of layer {i}"
+    with pytest.raises(ValueError, match="one shape"):
+        commit_windows_([layers[0]["x"], layers[1]["x"][:, :, :-1]], windows[:2], parents, accepted)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # short convolution
 # ----------------------------------------------------------------------------------------------------------------
@@ -278,6 +313,27 @@ def test_commit_window_matches_reference(device, kind, dtype):
         w = window.clone()
         assert commit_window_(x, w, parents, accepted) is w
         assert torch.equal(w, want)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gate and write strength
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_beta_matches_reference(device, dtype):
+    """Also on column slices of a wider projection output (the runner's fused GEMM), with and without dt_bias, for
+    odd head counts and extreme pre-activations (softplus' linear branch, very negative inputs)."""
+    gen = seeded(dtype, 'gate')
+    for B, T, HV, neg in [(1, 13, 6, False), (2, 5, 3, True), (1, 1, 32, False)]:
+        proj = (torch.randn(B, T, 7 + 2 * HV, generator=gen) * 8).to(device, dtype)
+        a, b = proj[..., 7:7 + HV], proj[..., 7 + HV:]
+        A_log = torch.randn(HV, generator=gen).to(device)
+        for dt_bias in (torch.randn(HV, generator=gen).to(device), None):
+            g, beta = gdn_gate_beta(a, b, A_log, dt_bias, neg)
+            g_ref, beta_ref = ref.gdn_gate_beta_ref(a, b, A_log, dt_bias, neg)
+            assert g.dtype == beta.dtype == torch.float32
+            torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(beta, beta_ref, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------------

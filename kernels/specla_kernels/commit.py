@@ -11,6 +11,11 @@ load first, finds the path (row ``m`` of the ancestor mask, built as in the tree
 factors of path nodes only.
 ``commit_window_`` is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
 inputs of ``[old window, x along P]``. ``accepted[b] == -1`` leaves batch row ``b`` untouched in both.
+
+A decode step commits every layer at once, so both kernels take a table of per-layer base addresses
+(``commit_states_`` / ``commit_windows_``): one launch each for the whole model instead of one per layer (the layers'
+tensors are separate allocations: the pending factors are outputs of the verify pass). The tables are cached by
+address, so a decoding loop whose factors live in CUDA-graph output buffers builds them once.
 """
 from __future__ import annotations
 
@@ -20,11 +25,13 @@ import triton.language as tl
 
 from specla_kernels.tree_delta import ancestor_mask
 
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-@triton.jit(do_not_specialize=["Nt", "n_sq"])
+
+@triton.jit(do_not_specialize=["Nt", "n_sq", "BHV"])
 def commit_state_kernel(
-    state, k_hat, u, g, parents, accepted,
-    Nt, n_sq,
+    state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, parents, accepted,
+    Nt, n_sq, BHV,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -33,11 +40,16 @@ def commit_state_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_k, i_lbh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_l, i_bh = i_lbh // BHV, i_lbh % BHV
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     m = tl.load(accepted + i_b).to(tl.int32)
     if m >= 0:
+        state = tl.load(state_ptrs + i_l).to(tl.pointer_type(tl.float32))
+        k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
+        u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
+        g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
         o_v = i_v * BV + tl.arange(0, BV)
         o_k = i_k * BK + tl.arange(0, BK)
         m_sk = (o_v < V)[:, None] & (o_k < K)[None, :]
@@ -63,17 +75,22 @@ def commit_state_kernel(
         tl.store(p_sk, b_s, mask=m_sk)
 
 
-@triton.jit(do_not_specialize=["Nt"])
+@triton.jit(do_not_specialize=["Nt", "B"])
 def commit_window_kernel(
-    x, window, parents, accepted,
-    Nt, D,
+    x_ptrs, window_ptrs, parents, accepted,
+    Nt, D, B,
+    X_DTYPE: tl.constexpr,
+    W_DTYPE: tl.constexpr,
     W: tl.constexpr,
     BW: tl.constexpr,
     BD: tl.constexpr,
 ):
-    i_d, i_b = tl.program_id(0), tl.program_id(1)
+    i_d, i_lb = tl.program_id(0), tl.program_id(1)
+    i_l, i_b = i_lb // B, i_lb % B
     m = tl.load(accepted + i_b).to(tl.int32)
     if m >= 0:
+        x = tl.load(x_ptrs + i_l).to(tl.pointer_type(X_DTYPE))
+        window = tl.load(window_ptrs + i_l).to(tl.pointer_type(W_DTYPE))
         o_d = i_d * BD + tl.arange(0, BD)
         m_d = o_d < D
         col = tl.arange(0, BW)                   # window column t holds the input W-1-t steps above m
@@ -95,50 +112,92 @@ def commit_window_kernel(
                             mask=m_d[:, None] & (m_col & (src >= 0))[None, :], other=0.)
         p_w = window + (i_b * D + o_d[:, None]).to(tl.int64) * W
         from_win = tl.load(p_w + win[None, :], mask=m_d[:, None] & (m_col & (src < 0))[None, :], other=0.)
-        new = tl.where((src >= 0)[None, :], from_tree.to(window.dtype.element_ty),
-                       from_win.to(x.dtype.element_ty).to(window.dtype.element_ty))
+        new = tl.where((src >= 0)[None, :], from_tree.to(W_DTYPE), from_win.to(X_DTYPE).to(W_DTYPE))
         # new column t reads old column t + 1 + depth: every thread must have read before any writes
         tl.debug_barrier()
         tl.store(p_w + col[None, :], new, mask=m_d[:, None] & m_col[None, :])
 
 
-def commit_state_(
-    state: torch.Tensor,
-    k_hat: torch.Tensor,
-    u: torch.Tensor,
-    g: torch.Tensor,
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """int64 base addresses of ``tensors`` on their device, cached by address (a decoding loop reuses its buffers)."""
+    key = (tensors[0].device, *(t.data_ptr() for t in tensors))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) > 1024:
+            _TABLES.clear()
+        table = _TABLES[key] = torch.tensor(key[1:], dtype=torch.int64, device=tensors[0].device)
+    return table
+
+
+def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = None) -> None:
+    t0 = tensors[0]
+    for t in tensors:
+        if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device or not t.is_contiguous():
+            raise ValueError(f"every layer's {what} must be a contiguous tensor of one shape, dtype and device")
+    if dtype is not None and t0.dtype != dtype:
+        raise ValueError(f"{what} must be {dtype}, got {t0.dtype}")
+
+
+def commit_states_(
+    states: list[torch.Tensor],
+    k_hats: list[torch.Tensor],
+    us: list[torch.Tensor],
+    gs: list[torch.Tensor],
     parents: torch.Tensor,
     accepted: torch.Tensor,
-) -> torch.Tensor:
-    """In-place ``commit_state_ref``: ``state [B,HV,V,K]`` fp32 (contiguous), factors of ``Nt`` verified nodes
-    (``k_hat [B,Nt,H,K]``, ``u [B,Nt,HV,V]``, ``g [B,Nt,HV]``), ``accepted [B]`` (-1: untouched). Returns ``state``."""
-    B, HV, V, K = state.shape
-    Nt, H = k_hat.shape[1], k_hat.shape[2]
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("commit_state_ updates a contiguous fp32 state in place")
+) -> None:
+    """In-place ``commit_state_ref`` of every layer, one launch: per layer ``state [B,HV,V,K]`` fp32 and the factors of
+    ``Nt`` verified nodes (``k_hat [B,Nt,H,K]``, ``u [B,Nt,HV,V]``, ``g [B,Nt,HV]``, fp32), all contiguous and of one
+    shape across layers; one tree ``parents [B,Nt]`` and ``accepted [B]`` (-1: untouched) for all layers."""
+    for ts, what in ((states, "state"), (k_hats, "k_hat"), (us, "u"), (gs, "g")):
+        _same(ts, what, torch.float32)
+    B, HV, V, K = states[0].shape
+    Nt, H = k_hats[0].shape[1], k_hats[0].shape[2]
     if not 1 <= Nt <= 128:
         raise ValueError(f"one tree chunk holds 1..128 nodes, got {Nt}")
     BN = max(16, triton.next_power_of_2(Nt))
     BV, BK = 32, max(16, min(64, triton.next_power_of_2(K)))
-    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)
+    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), len(states) * B * HV)
     commit_state_kernel[grid](
-        state, k_hat.contiguous(), u.contiguous(), g.contiguous(), parents.contiguous(), accepted.contiguous(),
-        Nt, (Nt - 1).bit_length(),
+        _address_table(states), _address_table(k_hats), _address_table(us), _address_table(gs),
+        parents.contiguous(), accepted.contiguous(), Nt, (Nt - 1).bit_length(), B * HV,
         H=H, HV=HV, K=K, V=V, BN=BN, BK=BK, BV=BV, num_warps=4 if BN <= 32 else 8,
     )
+
+
+def commit_windows_(xs: list[torch.Tensor], windows: list[torch.Tensor], parents: torch.Tensor,
+                    accepted: torch.Tensor) -> None:
+    """In-place ``commit_window_ref`` of every layer, one launch: per layer ``x [B,Nt,D]`` raw inputs of the
+    verified nodes and ``window [B,D,W]`` (newest last), all contiguous and of one shape across layers."""
+    _same(xs, "x")
+    _same(windows, "window")
+    B, Nt, D = xs[0].shape
+    W = windows[0].shape[-1]
+    BD = min(256, triton.next_power_of_2(D))
+    grid = (triton.cdiv(D, BD), len(windows) * B)
+    commit_window_kernel[grid](_address_table(xs), _address_table(windows), parents.contiguous(),
+                               accepted.contiguous(), Nt, D, B, X_DTYPE=TL_DTYPES[xs[0].dtype],
+                               W_DTYPE=TL_DTYPES[windows[0].dtype], W=W, BW=triton.next_power_of_2(W), BD=BD,
+                               num_warps=4)
+
+
+def commit_state_(state: torch.Tensor, k_hat: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
+                  parents: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """``commit_states_`` of one layer (factors made contiguous fp32). Returns ``state``."""
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("commit_state_ updates a contiguous fp32 state in place")
+    commit_states_([state], [k_hat.float().contiguous()], [u.float().contiguous()], [g.float().contiguous()],
+                   parents, accepted)
     return state
 
 
 def commit_window_(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor,
                    accepted: torch.Tensor) -> torch.Tensor:
-    """In-place ``commit_window_ref``: ``x [B,Nt,D]`` raw inputs of the verified nodes, ``window [B,D,W]``
-    (contiguous, newest last), ``accepted [B]`` (-1: untouched). Returns ``window``."""
-    B, Nt, D = x.shape
-    W = window.shape[-1]
+    """``commit_windows_`` of one layer. Returns ``window``."""
     if not window.is_contiguous():
         raise ValueError("commit_window_ updates a contiguous window in place")
-    BD = min(256, triton.next_power_of_2(D))
-    grid = (triton.cdiv(D, BD), B)
-    commit_window_kernel[grid](x.contiguous(), window, parents.contiguous(), accepted.contiguous(), Nt, D,
-                               W=W, BW=triton.next_power_of_2(W), BD=BD, num_warps=4)
+    commit_windows_([x.contiguous()], [window], parents, accepted)
     return window

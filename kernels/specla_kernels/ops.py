@@ -11,6 +11,7 @@ import torch
 
 from specla_kernels import reference
 from specla_kernels import commit as _commit
+from specla_kernels import gate as _gate
 from specla_kernels import tree_conv as _tree_conv
 from specla_kernels import tree_delta as _tree_delta
 
@@ -40,6 +41,14 @@ def tree_gated_delta_rule(
     if use_triton(q) and prefix is None and k.shape[1] <= MAX_NODES:
         return _tree_delta.tree_gated_delta_rule(q, k, v, g, beta, parents, initial_state, scale, prefix)
     return reference.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, initial_state, scale, prefix)
+
+
+def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
+                  allow_neg_eigval: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-decay ``g`` and write strength ``beta`` of each token, fp32 (see ``gdn_gate_beta_ref``)."""
+    if use_triton(a):
+        return _gate.gdn_gate_beta(a, b, A_log, dt_bias, allow_neg_eigval)
+    return reference.gdn_gate_beta_ref(a, b, A_log, dt_bias, allow_neg_eigval)
 
 
 def tree_conv(
@@ -79,3 +88,24 @@ def commit_window_(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor,
     if use_triton(window):
         return _commit.commit_window_(x, window, parents, accepted)
     return window.copy_(reference.commit_window_ref(x, window, parents, accepted))
+
+
+def commit_states_(states: list[torch.Tensor], k_hats: list[torch.Tensor], us: list[torch.Tensor],
+                   gs: list[torch.Tensor], parents: torch.Tensor, accepted: torch.Tensor) -> None:
+    """``commit_state_`` of every layer of a model (one tree, one accepted node); one launch on the Triton path."""
+    if use_triton(states[0]) and k_hats[0].shape[1] <= MAX_NODES:
+        contiguous = lambda ts: [t.contiguous() for t in ts]          # noqa: E731  (no-op for the cache's factors)
+        _commit.commit_states_(states, contiguous(k_hats), contiguous(us), contiguous(gs), parents, accepted)
+        return
+    for args in zip(states, k_hats, us, gs):
+        commit_state_(*args, parents, accepted)
+
+
+def commit_windows_(xs: list[torch.Tensor], windows: list[torch.Tensor], parents: torch.Tensor,
+                    accepted: torch.Tensor) -> None:
+    """``commit_window_`` of every layer of a model; one launch on the Triton path."""
+    if use_triton(windows[0]):
+        _commit.commit_windows_([x.contiguous() for x in xs], windows, parents, accepted)
+        return
+    for x, window in zip(xs, windows):
+        commit_window_(x, window, parents, accepted)

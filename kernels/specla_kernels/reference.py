@@ -65,6 +65,13 @@ def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None)
     return -A_log.float().exp() * F.softplus(a)
 
 
+def gdn_gate_beta_ref(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
+                      allow_neg_eigval: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-decay ``g`` (``gdn_gate``) and write strength ``beta = sigmoid(b)`` (x2 with negative
+    eigenvalues allowed), both fp32."""
+    return gdn_gate(a, A_log, dt_bias), b.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+
+
 def recurrent_gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,
