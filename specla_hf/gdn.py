@@ -7,21 +7,63 @@ on CPU) and replaces only the GatedDeltaNet mixer's state handling:
 - ``forward(ids, cache, parents=...)`` verifies tree nodes on top of the committed state in one pass per layer
   (tree conv + ancestor-masked delta rule), records their compact factors and leaves the state untouched;
 - ``cache.commit(accepted)`` then rebuilds the state after the accepted path from the factors.
+
+A batch-1 decode step is bound by its kernel count, so each layer's input projections (q|k|v|g|a|b), short
+convolutions and MLP gate|up run as one GEMM / conv each, against fused weights whose rows the model's parameters
+are views of (``fuse_mixer_weights``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import fla.layers.gated_deltanet as fla_gdn
 from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.models import GatedDeltaNetForCausalLM
+from fla.modules import GatedMLP
+from fla.modules.activations import swiglu
+from specla_hf import backend
 from specla_hf.cache import SpecLACache, SpecLALayer
-from specla_hf.cuda_graphs import MAX_TREE_BUCKET, GraphedForward, tree_bucket
+from specla_hf.cuda_graphs import MAX_TREE_BUCKET, GraphedForward, num_tokens, pad_tokens, tree_bucket
 from specla_kernels import ops
-from specla_kernels.reference import gdn_gate
+
+
+def _fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: int = 1) -> torch.Tensor:
+    """``params`` concatenated along dim 0, cached on ``owner`` under ``key``, with each parameter re-pointed at its
+    rows of the result: one GEMM (or conv) then serves them all, weights are not stored twice, and in-place updates of
+    a parameter (optimizer steps, ``load_state_dict``'s ``copy_``) reach the fused tensor, so CUDA graphs reading it
+    stay in step. Rebuilt when a parameter is no longer that view (``model.to(...)``,
+    ``load_state_dict(assign=True)``, ``copy.deepcopy``): the cached tensor keeps its storage alive, so no other
+    tensor can have a view's ``data_ptr``. ``pad_to`` rounds the row count up with zero rows: cuBLAS picks a slow
+    GEMV for a batch-1 product whose output rows are not 16-byte aligned (q|k|v|g plus 2 x num_heads gate rows)."""
+    cached = owner.__dict__.get(key)
+    if cached is not None and cached[1] == tuple(p.data_ptr() for p in params):
+        return cached[0]
+    with torch.inference_mode(False):      # the parameters become views of it: they must stay usable by autograd
+        rows = sum(p.shape[0] for p in params)
+        pad = params[0].new_zeros(-rows % pad_to, *params[0].shape[1:])
+        fused = torch.cat([p.detach() for p in params] + [pad])
+    for p, view in zip(params, fused.split([p.shape[0] for p in params] + [pad.shape[0]])):
+        p.data = view
+    owner.__dict__[key] = (fused, tuple(p.data_ptr() for p in params))
+    return fused
+
+
+def fuse_mixer_weights(m: GatedDeltaNet) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A mixer's fused weights (see ``_fused_rows``; idempotent): the input projections ``[q|k|v|g|a|b, hidden]``
+    (no g rows without ``use_gate``) and the q|k|v depthwise conv's weight ``[conv_dim, conv_size]`` and bias
+    (``None`` without a short conv / conv bias)."""
+    projs = [m.q_proj, m.k_proj, m.v_proj] + ([m.g_proj] if m.use_gate else []) + [m.a_proj, m.b_proj]
+    proj = _fused_rows(m, "_specla_fused_proj", [p.weight for p in projs], pad_to=64)
+    if not m.use_short_conv:
+        return proj, None, None
+    convs = [m.q_conv1d, m.k_conv1d, m.v_conv1d]
+    weight = _fused_rows(m, "_specla_fused_conv_weight", [c.weight for c in convs])[:, 0]   # [D, 1, W] -> [D, W]
+    bias = _fused_rows(m, "_specla_fused_conv_bias", [c.bias for c in convs]) if m.q_conv1d.bias is not None else None
+    return proj, weight, bias
 
 
 @dataclass
@@ -59,6 +101,7 @@ class GDNRunner:
         check_gdn_model(model, role)
         self.model = model
         self.config = model.config
+        self.built_for = (model.device, model.dtype)
         self.blocks = model.model.layers
         self.mixers: list[GatedDeltaNet] = [block.attn for block in self.blocks]
         if cuda_graphs is None:
@@ -74,7 +117,8 @@ class GDNRunner:
         """The model's runner, kept on the model so that captured CUDA graphs serve every generate() call."""
         key = f"_specla_runner_{role}"     # a model may serve as target and as drafter: one runner (cache) each
         runner = model.__dict__.get(key)
-        if runner is None or runner.device != model.device or runner.dtype != model.dtype:
+        # graphs and caches are bound to the device and dtype the runner was built for
+        if runner is None or runner.built_for != (model.device, model.dtype):
             runner = cls(model, role)
             model.__dict__[key] = runner
         return runner
@@ -111,20 +155,20 @@ class GDNRunner:
                 logits_positions: slice | None = None, hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
         """Consume ``input_ids [B, T]`` (``parents=None``) or verify them as tree nodes (``parents [B, T]``,
         indices into all pending nodes of the cache, new nodes included). Tree calls return every node's logits."""
-        T = input_ids.shape[1]
+        T = num_tokens(input_ids)
         if parents is not None:
             if logits_positions not in (None, slice(None)):
                 raise ValueError("tree verification returns the logits of every node")
             logits_positions = None
             if self.bucket_trees and tree_bucket(T) <= MAX_TREE_BUCKET:
                 pad = tree_bucket(T) - T                       # inert dummy nodes off the committed state
-                input_ids = F.pad(input_ids, (0, pad))
+                input_ids = pad_tokens(input_ids, pad)
                 parents = F.pad(parents, (0, pad), value=-1)
         if self.graphs is not None and self.graphs.supports(input_ids, parents):
             out = self.graphs(input_ids, cache, parents, logits_positions, hidden_layers)
         else:
             out = self._forward(input_ids, cache, parents, logits_positions, hidden_layers)
-        if parents is not None and input_ids.shape[1] != T:
+        if parents is not None and num_tokens(input_ids) != T:
             out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
         return out
 
@@ -144,7 +188,7 @@ class GDNRunner:
             else:
                 residual = residual + x
                 x = block.mlp_norm(residual)
-            h = residual + block.mlp(x)
+            h = residual + self._mlp(i, x)
             if i + 1 in hidden_layers:
                 hidden.append(h)
         h = self.model.model.norm(h)
@@ -155,27 +199,25 @@ class GDNRunner:
     def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None) -> torch.Tensor:
         m = self.mixers[i]
         B, T, _ = h.shape
-        x = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], -1)          # raw pre-conv inputs
+        proj, conv_weight, conv_bias = fuse_mixer_weights(m)
+        # one GEMM for all input projections; x (the raw pre-conv q|k|v inputs) and the rest are column views of it
+        # (fla's kernels and the torch path take strided rows)
+        sizes = [2 * m.key_dim + m.value_dim, m.value_dim if m.use_gate else 0, m.num_v_heads, m.num_v_heads]
+        x, gate, a, b, _ = torch.split(F.linear(h, proj), sizes + [proj.shape[0] - sum(sizes)], -1)
         if not m.use_short_conv:
             y = F.silu(x)
+        elif parents is None:
+            # one depthwise conv over the concatenated q|k|v inputs, as fla's fused path does
+            y, window = fla_gdn.causal_conv1d(x=x, weight=conv_weight, bias=conv_bias, initial_state=layer.window,
+                                              output_final_state=True, activation=m.q_conv1d.activation)
+            layer.window.copy_(window)
         else:
-            # one depthwise conv over the concatenated q|k|v inputs, as fla's fused path does (read from the live
-            # parameters on every call, so captured graphs and later weight updates stay in step)
-            convs = (m.q_conv1d, m.k_conv1d, m.v_conv1d)
-            weight = torch.cat([c.weight[:, 0] for c in convs])
-            bias = torch.cat([c.bias for c in convs]) if m.q_conv1d.bias is not None else None
-            if parents is None:
-                y, window = fla_gdn.causal_conv1d(x=x, weight=weight, bias=bias, initial_state=layer.window,
-                                                  output_final_state=True, activation=m.q_conv1d.activation)
-                layer.window.copy_(window)
-            else:
-                x_all = torch.cat([layer.x, x], 1)
-                y = ops.tree_conv(x_all, weight, bias, layer.window, parents)[:, -T:]
+            x_all = torch.cat([layer.x, x], 1) if layer.x.shape[1] else x
+            y = ops.tree_conv(x_all, conv_weight, conv_bias, layer.window, parents)[:, -T:]
         q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], -1)
         q = q.view(B, T, m.num_heads, m.head_k_dim)
         k = k.view(B, T, m.num_heads, m.head_k_dim)
         v = v.view(B, T, m.num_v_heads, m.head_v_dim)
-        a, b = m.a_proj(h), m.b_proj(h)
 
         if parents is None:
             kernel = (fla_gdn.fused_recurrent_gated_delta_rule if T <= 64
@@ -186,15 +228,27 @@ class GDNRunner:
                               allow_neg_eigval=m.allow_neg_eigval, state_v_first=True)
             layer.state.copy_(state)
         else:
-            g = gdn_gate(a, m.A_log, m.dt_bias)
-            beta = b.float().sigmoid() * (2.0 if m.allow_neg_eigval else 1.0)
+            g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias, m.allow_neg_eigval)
             prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix)
             layer.add_factors(k_hat, u, g, x)
 
         if m.use_gate:
-            gate = m.g_proj(h).view(B, T, m.num_v_heads, m.head_v_dim)
-            o = m.o_norm(o.to(h.dtype), gate)
+            o = m.o_norm(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim))
         else:
             o = m.o_norm(o.to(h.dtype))
         return m.o_proj(o.reshape(B, T, m.value_dim))
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Block ``i``'s fla ``GatedMLP`` with gate_proj and up_proj as one GEMM (``_fused_rows``), then exactly
+        ``GatedMLP.forward``'s SwiGLU and down_proj (``specla_hf.backend``'s torch path where that is chosen)."""
+        mlp: GatedMLP = self.blocks[i].mlp
+        if mlp.hidden_act != "swish":
+            return mlp(x)
+        gate_up = _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+        gate, up = F.linear(x, gate_up).chunk(2, -1)        # strided halves: fla's SwiGLU reads them in place
+        if backend._torch_wanted("modules", x):
+            return mlp.down_proj(F.silu(gate) * up)
+        if mlp.fuse_swiglu:
+            return mlp.swiglu_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return mlp.down_proj(swiglu(gate, up))

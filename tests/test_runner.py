@@ -116,3 +116,13 @@ def test_factor_memory_is_compact():
     runner.forward(torch.randint(0, 97, (1, 16)), cache, parents=chain_parents(16))
     state_bytes = sum(layer.state.numel() * 4 for layer in cache.layers)
     assert cache.factor_bytes() < 16 * state_bytes / 4   # far below a snapshot per node
+
+
+def test_for_model_rebuilds_the_runner_after_a_dtype_change():
+    model = tiny_gdn(seed=61)
+    runner = GDNRunner.for_model(model)
+    assert GDNRunner.for_model(model) is runner
+    model.to(torch.float64)
+    rebuilt = GDNRunner.for_model(model)
+    assert rebuilt is not runner and rebuilt.new_cache(1).layers[0].window.dtype == torch.float64
+    model.to(torch.float32)
