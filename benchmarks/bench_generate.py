@@ -21,9 +21,9 @@ import torch
 import specla_hf
 from fla.models import GatedDeltaNetConfig
 from specla_hf.autoregressive import autoregressive_decode
-from specla_hf.defaults import layer_skip_drafter, load_models
+from specla_hf.defaults import load_models
 from specla_hf.gdn import GDNRunner
-from specla_hf.inflate import inflate_gdn
+from specla_hf.inflate import inflate_drafter, inflate_gdn
 
 METHODS = {   # name -> generate() keywords (None: our CUDA-graph AR; "hf": stock generate)
     "hf_generate": "hf",
@@ -43,6 +43,13 @@ def load_prompts(eval_dir: Path, per_set: int) -> dict[str, list[str]]:
         rows = [json.loads(line) for line in (eval_dir / file).read_text().splitlines() if line.strip()]
         out[name] = [field(r) for r in rows[:per_set]]
     return out
+
+
+START = time.perf_counter()
+
+
+def log(*msg) -> None:
+    print(f"[{time.perf_counter() - START:6.1f}s]", *msg, flush=True)
 
 
 def _sync():
@@ -82,11 +89,15 @@ def run_method(name, target, drafter, ids, n_new):
 
 def bench_target(label, target, drafter, tok, prompts, n_new, hf_prompts):
     rows = {}
-    sample = tok(prompts["mt_bench"][0], return_tensors="pt").input_ids[:, :256].to(target.device)
-    for name in METHODS:                                   # warm-up: compile, autotune, capture graphs
-        if name != "hf_generate":
-            run_method(name, target, drafter, sample, 16)
+    # warm-up: compile, autotune, and capture the graphs of every tree bucket and drafter shape before timing
+    for text in (prompts["mt_bench"][0], prompts["humaneval"][0]):
+        sample = tok(text, return_tensors="pt").input_ids[:, :256].to(target.device)
+        for name in METHODS:
+            if name != "hf_generate":
+                _, dt, _, _ = run_method(name, target, drafter, sample, 64)
+                log(label, "warm-up", name, f"{dt:.1f}s")
     run_method("hf_generate", target, drafter, sample, 4)
+    log(label, "warm-up done")
     for set_name, texts in prompts.items():
         per = {m: [] for m in METHODS}
         for i, text in enumerate(texts):
@@ -112,8 +123,8 @@ def bench_target(label, target, drafter, tok, prompts, n_new, hf_prompts):
                                rejected_per_step=stats.rejected_nodes_per_step)
                 per[name].append(rec)
         rows[set_name] = per
-        print(label, set_name, {m: round(statistics.median(r["ms_per_token"] for r in v), 3)
-                                for m, v in per.items() if v}, flush=True)
+        log(label, set_name, {m: round(statistics.median(r["ms_per_token"] for r in v), 3)
+                              for m, v in per.items() if v})
     return rows
 
 
@@ -158,21 +169,24 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
-def fp32_equality(target_path, drafter_spec, tok, prompts, n_new, device):
-    """fp32: SpecLA greedy output must be token-identical to our plain greedy decoding (20 prompts)."""
-    models = load_models(target_path, drafter_spec, device=device, dtype="float32")
-    models.target.generation_config.eos_token_id = None
-    texts = [t for ts in prompts.values() for t in ts][:20]
+def fp32_equality(target, drafter, tok, texts, n_new):
+    """fp32: SpecLA greedy output (chain and tree) must be token-identical to our plain greedy decoding."""
+    target.generation_config.eos_token_id = None
     same = 0
     for text in texts:
-        ids = tok(text, return_tensors="pt").input_ids[:, :256].to(device)
-        ref = autoregressive_decode(GDNRunner.for_model(models.target), ids, n_new)
-        ok = all(torch.equal(models.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
-                                                    do_sample=False,
-                                                    assistant_model=models.drafter, tree=tree,
-                                                    confidence_threshold=0.0), ref) for tree in (False, True))
-        same += ok
+        ids = tok(text, return_tensors="pt").input_ids[:, :256].to(target.device)
+        ref = autoregressive_decode(GDNRunner.for_model(target), ids, n_new)
+        same += all(torch.equal(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                                                do_sample=False, assistant_model=drafter, tree=tree,
+                                                confidence_threshold=0.0), ref) for tree in (False, True))
     return {"prompts": len(texts), "identical": same}
+
+
+def large_config(small) -> GatedDeltaNetConfig:
+    """fla's default GDN config (the 1.3B shape) with the small target's vocabulary and special tokens."""
+    c = small.config
+    return GatedDeltaNetConfig(vocab_size=c.vocab_size, bos_token_id=c.bos_token_id, eos_token_id=None,
+                               pad_token_id=c.pad_token_id)
 
 
 def check_kernels(meta: dict) -> None:
@@ -209,11 +223,14 @@ def main():
     ap.add_argument("--per-set", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--hf-prompts", type=int, default=2)
-    ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument("--stages", default="large,small,fp32,fp32-large",
+                    help="comma-separated: large (1.3B shape, bf16), small (trained target, bf16), fp32, fp32-large "
+                         "(greedy identity in fp32 on each)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    stages = set(args.stages.split(","))
     models = load_models(args.target, args.drafter, device=args.device,
                          dtype="bfloat16" if args.device == "cuda" else "float32")
     target, drafter, tok = models.target, models.drafter, models.tokenizer
@@ -229,34 +246,48 @@ def main():
 
     def save():   # after every stage, so that a run cut short still brings its numbers back
         (args.out / "bench_generate.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        if results:
+            (args.out / "bench_generate.md").write_text(summarise(results) + "\n")
 
-    results["trained (12.6M)"] = bench_target("trained", target, drafter, tok, prompts, args.max_new_tokens,
-                                               args.hf_prompts)
-    save()
-    if not args.skip_large:
-        cfg = GatedDeltaNetConfig(vocab_size=target.config.vocab_size, bos_token_id=target.config.bos_token_id,
-                                  eos_token_id=None, pad_token_id=target.config.pad_token_id)
-        large = inflate_gdn(target, cfg, device=args.device, dtype=target.dtype)
+    # the 1.3B shape first: it is the headline, and a run cut short keeps it
+    if "large" in stages:
+        large = inflate_gdn(target, large_config(target), device=args.device, dtype=target.dtype)
         large.generation_config.eos_token_id = None
         n_params = sum(p.numel() for p in large.parameters())
         meta["large_params"] = n_params
         label = f"inflated 1.3B shape ({n_params / 1e9:.2f}B)"
-        # a token-only drafter serves the inflated target as is; an aligned drafter reads 384-wide features, so the
-        # inflated target gets the small target's layer-skip drafter instead (it computes the same function)
-        large_drafter = layer_skip_drafter(target) if getattr(drafter, "is_specla_drafter", False) else drafter
+        # a token-only drafter serves the inflated target as is; an aligned drafter is inflated beside it (it then
+        # drafts what it drafts for the small target, at the cost of a drafter of the large width)
+        large_drafter = (inflate_drafter(drafter, target, large) if getattr(drafter, "is_specla_drafter", False)
+                         else drafter)
+        meta["large_drafter_params"] = sum(p.numel() for p in large_drafter.parameters())
         meta["large_drafter"] = type(large_drafter).__name__
         results[label] = bench_target("large", large, large_drafter, tok, prompts, args.max_new_tokens,
                                       args.hf_prompts)
         save()
-        del large
-    meta["fp32_equality"] = fp32_equality(args.target, args.drafter, tok, prompts, 64, args.device)
-    print("fp32 equality:", meta["fp32_equality"], flush=True)
+        del large, large_drafter
+    if "small" in stages:
+        results["trained (12.6M)"] = bench_target("trained", target, drafter, tok, prompts, args.max_new_tokens,
+                                                   args.hf_prompts)
+        save()
+    del target, drafter, models
+    small = load_models(args.target, args.drafter, device=args.device, dtype="float32")
+    texts = [t for ts in prompts.values() for t in ts]
+    if "fp32" in stages:
+        meta["fp32_equality"] = fp32_equality(small.target, small.drafter, tok, texts[:20], 64)
+        log("fp32 equality:", meta["fp32_equality"])
+        save()
+    if "fp32-large" in stages:
+        large = inflate_gdn(small.target, large_config(small.target), device=args.device, dtype=torch.float32)
+        large_drafter = (inflate_drafter(small.drafter, small.target, large)
+                         if getattr(small.drafter, "is_specla_drafter", False) else small.drafter)
+        meta["fp32_equality_large"] = fp32_equality(large, large_drafter, tok, texts[:5], 64)
+        log("fp32 equality (1.3B shape):", meta["fp32_equality_large"])
     save()
-    table = summarise(results)
-    (args.out / "bench_generate.md").write_text(table + "\n")
-    plot(results, args.out / "bench_generate.png")
     print(json.dumps(meta))
-    print(table)
+    if results:
+        plot(results, args.out / "bench_generate.png")
+        print(summarise(results))
 
 
 if __name__ == "__main__":

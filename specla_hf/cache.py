@@ -35,15 +35,15 @@ class SpecLALayer(CacheLayerMixin):
 
     # ---- factors of the pending (verified, not yet committed) nodes ----
     def add_factors(self, k_hat: torch.Tensor, u: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
+        if not self.k_hat.shape[1]:          # a fresh tree (every target step): keep the tensors, no copies
+            self.k_hat, self.u, self.g, self.x = k_hat, u, g, x.contiguous()
+            return
         self.k_hat = torch.cat([self.k_hat, k_hat], 1)
         self.u = torch.cat([self.u, u], 1)
         self.g = torch.cat([self.g, g], 1)
         self.x = torch.cat([self.x, x], 1)
 
-    def commit(self, parents: torch.Tensor, accepted: torch.Tensor) -> None:
-        ops.commit_state_(self.state, self.k_hat, self.u, self.g, parents, accepted)
-        if self.window is not None:
-            ops.commit_window_(self.x, self.window, parents, accepted)
+    def drop_pending(self) -> None:
         self.k_hat, self.u, self.g, self.x = (t[:, :0] for t in (self.k_hat, self.u, self.g, self.x))
 
     def factor_bytes(self) -> int:
@@ -71,7 +71,7 @@ class SpecLALayer(CacheLayerMixin):
         self.state.zero_()
         if self.window is not None:
             self.window.zero_()
-        self.k_hat, self.u, self.g, self.x = (t[:, :0] for t in (self.k_hat, self.u, self.g, self.x))
+        self.drop_pending()
 
 
 class SpecLACache(Cache):
@@ -99,13 +99,23 @@ class SpecLACache(Cache):
         self.parents = torch.cat([self.parents, parents], 1)
         return self.parents
 
-    def commit(self, accepted: torch.Tensor | int) -> None:
-        """Keep the root-to-``accepted`` path of the pending nodes (index per sequence; -1 keeps none)."""
+    def commit(self, accepted: torch.Tensor | int, path_length: int | None = None) -> None:
+        """Keep the root-to-``accepted`` path of the pending nodes (index per sequence; -1 keeps none).
+        ``path_length``, the number of nodes on that path when the caller knows it, saves a device round trip."""
         B = self.parents.shape[0]
         if isinstance(accepted, int):
             accepted = torch.full((B,), accepted, dtype=torch.long, device=self.parents.device)
-        for layer in self.layers:
-            layer.commit(self.parents, accepted)
+        layers = self.layers
+        ops.commit_states_([l.state for l in layers], [l.k_hat for l in layers], [l.u for l in layers],
+                           [l.g for l in layers], self.parents, accepted)
+        if layers[0].window is not None:
+            ops.commit_windows_([l.x for l in layers], [l.window for l in layers], self.parents, accepted)
+        for layer in layers:
+            layer.drop_pending()
+        if path_length is not None:
+            self.seq_length += path_length
+            self.parents = self.parents[:, :0]
+            return
         depth = tree_depth(tree_ancestors(self.parents))
         # batch 1 is what the decoding loop drives; for B > 1 every sequence must accept the same count
         path_len = torch.where(accepted >= 0, depth.gather(1, accepted.clamp(min=0)[:, None])[:, 0] + 1, 0)
@@ -123,8 +133,10 @@ class SpecLACache(Cache):
         self.seq_length += num_tokens
 
     def discard(self) -> None:
-        """Drop the pending nodes without committing any."""
-        self.commit(-1)
+        """Drop the pending nodes without committing any (the committed state is untouched: nothing to run)."""
+        for layer in self.layers:
+            layer.drop_pending()
+        self.parents = self.parents[:, :0]
 
     def factor_bytes(self) -> int:
         return sum(layer.factor_bytes() for layer in self.layers)

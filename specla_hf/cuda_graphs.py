@@ -5,19 +5,30 @@ so each distinct call shape is captured once and replayed:
 - consuming ``T <= MAX_SEQ_TOKENS`` tokens (autoregressive steps, a drafter catching up);
 - verifying tree nodes, padded to a power-of-two bucket with dummy nodes that hang off the committed state
   (``parents = -1``): no real node descends from them, so real outputs are unchanged and they are never accepted.
-A graph reads its inputs from static buffers and writes the cache in place (state, window) or to its own outputs
-(the new pending factors, which become the cache's pending tensors after replay). A graph is bound to one cache's
-tensors: the runner keeps a single cache per batch size and ``GDNRunner.new_cache`` resets it.
+A graph reads its inputs (token ids, or any tuple of ``[B, T, ...]`` tensors: a drafter's features and tokens) from
+static buffers and writes the cache in place (state, window) or to its own outputs (the new pending factors, which
+become the cache's pending tensors after replay). A graph is bound to one cache's tensors: the runner keeps a single
+cache per batch size and ``GDNRunner.new_cache`` resets it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 MAX_SEQ_TOKENS = 4
 MAX_TREE_BUCKET = 128
+
+
+def num_tokens(inputs) -> int:
+    """``T`` of a call's inputs: a ``[B, T]`` id tensor or a tuple of ``[B, T, ...]`` tensors."""
+    return tree_flatten(inputs)[0][0].shape[1]
+
+
+def pad_tokens(inputs, pad: int):
+    """Append ``pad`` zero positions along ``T`` to every input tensor."""
+    return tree_map(lambda x: torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1), inputs)
 
 
 def tree_bucket(n: int) -> int:
@@ -28,7 +39,7 @@ def tree_bucket(n: int) -> int:
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph | EmulatedGraph"
-    ids: torch.Tensor
+    inputs: object                  # static copies of the call's input tensors
     parents: torch.Tensor | None
     prefix: tuple | None            # static copies of the pending parents and factors the call extends
     out: object                     # RunnerOutput of the captured call
@@ -42,24 +53,27 @@ class GraphedForward:
     tested) on CPU.
     """
 
-    def __init__(self, runner, emulate: bool = False):
+    def __init__(self, runner, emulate: bool = False, max_seq_tokens: int = MAX_SEQ_TOKENS):
         self.runner = runner
         self.emulate = emulate
+        self.max_seq_tokens = max_seq_tokens
         # each graph gets its own memory pool: the outputs of one (e.g. the target's pending factors) must survive
         # the replays of others (the drafter's) until they are committed
         self.graphs: dict[tuple, _Graph] = {}
 
-    def supports(self, input_ids: torch.Tensor, parents: torch.Tensor | None) -> bool:
-        T = input_ids.shape[1]
-        return input_ids.shape[0] == 1 and (T <= MAX_SEQ_TOKENS if parents is None else T <= MAX_TREE_BUCKET)
+    def supports(self, inputs, parents: torch.Tensor | None) -> bool:
+        T = num_tokens(inputs)
+        return tree_flatten(inputs)[0][0].shape[0] == 1 and \
+            (T <= self.max_seq_tokens if parents is None else T <= MAX_TREE_BUCKET)
 
-    def __call__(self, input_ids, cache, parents, logits_positions, hidden_layers):
-        key = (input_ids.shape[1], None if parents is None else cache.num_pending,
+    def __call__(self, inputs, cache, parents, logits_positions, hidden_layers):
+        key = (num_tokens(inputs), None if parents is None else cache.num_pending,
                _slice_key(logits_positions), tuple(hidden_layers))
         if key not in self.graphs:
-            self.graphs[key] = self._capture(input_ids, cache, parents, logits_positions, hidden_layers)
+            self.graphs[key] = self._capture(inputs, cache, parents, logits_positions, hidden_layers)
         g = self.graphs[key]
-        g.ids.copy_(input_ids)
+        for buf, x in zip(tree_flatten(g.inputs)[0], tree_flatten(inputs)[0]):
+            buf.copy_(x)
         if parents is not None:
             g.parents.copy_(parents)
             if g.prefix is not None:
@@ -70,15 +84,15 @@ class GraphedForward:
                         buf.copy_(t)
         g.graph.replay()
         if parents is None:
-            cache.seq_length += input_ids.shape[1]
+            cache.seq_length += num_tokens(inputs)
         else:
             cache.parents, factors = g.pending
             for layer, (k_hat, u, gate, x) in zip(cache.layers, factors):
                 layer.k_hat, layer.u, layer.g, layer.x = k_hat, u, gate, x
         return g.out
 
-    def _capture(self, input_ids, cache, parents, logits_positions, hidden_layers) -> _Graph:
-        ids = input_ids.clone()
+    def _capture(self, inputs, cache, parents, logits_positions, hidden_layers) -> _Graph:
+        static_inputs = tree_map(torch.clone, inputs)
         static_parents = None if parents is None else parents.clone()
         prefix = None
         if parents is not None and cache.num_pending:
@@ -86,7 +100,7 @@ class GraphedForward:
         saved = _snapshot(cache)
 
         def call():
-            out = self.runner._forward(ids, cache, static_parents, logits_positions, hidden_layers)
+            out = self.runner._forward(static_inputs, cache, static_parents, logits_positions, hidden_layers)
             pending = None if parents is None else (cache.parents, [(l.k_hat, l.u, l.g, l.x) for l in cache.layers])
             return out, pending
 
@@ -106,7 +120,7 @@ class GraphedForward:
             with torch.cuda.graph(graph):
                 out, pending = call()                # recorded, not run
         _restore(cache, saved, prefix)               # undo the warm-up / Python-side effects of the capture
-        return _Graph(graph, ids, static_parents, prefix, out, pending)
+        return _Graph(graph, static_inputs, static_parents, prefix, out, pending)
 
 
 class EmulatedGraph:

@@ -61,14 +61,17 @@ def accept_path(tree: DraftTree, logits: torch.Tensor, context: torch.LongTensor
     node, emitted, scores = 0, [], []
     tokens = tree.tokens.tolist()
     ctx = context
+    processed = len(logits_processor) > 0
+    # plain greedy: every node's argmax in one host transfer instead of one per accepted node
+    argmax = None if do_sample or processed else logits.argmax(-1).tolist()
     while True:
         score = logits[node:node + 1]
-        if len(logits_processor):
+        if processed:
             score = logits_processor(ctx, score.clone())
         scores.append(score)
         kids = tree.children[node]
         if not do_sample:
-            choice = int(score.argmax(-1))
+            choice = argmax[node] if argmax is not None else int(score.argmax(-1))
             nxt = next((c for c in kids if tokens[c] == choice), None)
         else:
             p = torch.softmax(score[0], -1)
@@ -84,7 +87,8 @@ def accept_path(tree: DraftTree, logits: torch.Tensor, context: torch.LongTensor
         if nxt is None:
             return node, emitted, scores
         node = nxt
-        ctx = torch.cat([ctx, ctx.new_tensor([[choice]])], 1)
+        if processed:
+            ctx = torch.cat([ctx, ctx.new_tensor([[choice]])], 1)
 
 
 def speculative_decode(
@@ -117,8 +121,8 @@ def speculative_decode(
                              logits_positions=slice(None), hidden_layers=feature_layers)
         logits = out.logits[0].float().to(input_ids.device)
         node, emitted, scores = accept_path(tree, logits, input_ids, logits_processor, do_sample)
-        cache.commit(node)
         path = _path_nodes(tree, node)
+        cache.commit(node, path_length=len(path))
         drafter.add_features(tuple(h[:, path] for h in out.hidden_states))
         _sync(target.device)
         t2 = time.perf_counter()

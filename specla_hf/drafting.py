@@ -93,7 +93,7 @@ class DynamicTreeDrafter(CandidateGenerator):
 
     # ---- what a subclass provides ----
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Catch up on ``input_ids`` (pending token last); return the draft log-probs after it, ``[vocab]``."""
+        """Catch up on ``input_ids`` (pending token last); return the draft log-probs after it, ``[1, vocab]``."""
         raise NotImplementedError
 
     def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -120,16 +120,18 @@ class DynamicTreeDrafter(CandidateGenerator):
         depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
         cands: list[_Candidate] = []
         pruned = 0
-        root_logp = self.start(input_ids)
+        logps = self.start(input_ids)                          # [frontier, vocab]
         num_nodes = 1                                           # drafter nodes: root 0, then in expansion order
-        frontier_logps, frontier = [root_logp], [-1]           # log-probs of children, candidate index of parent
+        frontier = [-1]                                         # candidate index of each frontier node (root: -1)
         for depth in range(1, depth_limit + 1):
             new = []
-            for logp, parent in zip(frontier_logps, frontier):
+            top = torch.topk(logps, opts.topk, dim=-1)
+            # one device-to-host transfer per depth (float64 holds any token id exactly)
+            top_logps, top_tokens = torch.stack([top.values.double(), top.indices.double()]).tolist()
+            for parent, lps, toks in zip(frontier, top_logps, top_tokens):
                 base = cands[parent].log_prob if parent >= 0 else 0.0
-                top = torch.topk(logp, opts.topk)
-                for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
-                    c = _Candidate(tok, parent, base + lp, depth)
+                for lp, tok in zip(lps, toks):
+                    c = _Candidate(int(tok), parent, base + lp, depth)
                     if c.log_prob < _log(threshold):
                         pruned += 1
                         continue
@@ -144,7 +146,7 @@ class DynamicTreeDrafter(CandidateGenerator):
             for j, i in enumerate(best):
                 cands[i].node = num_nodes + j
             num_nodes += len(best)
-            frontier_logps, frontier = list(logps), best
+            frontier = best
         tree = self._select(input_ids[0, -1].item(), cands, opts.budget)
         self.last_tree, self.last_pruned = tree, pruned
         return tree
@@ -194,7 +196,8 @@ def _log(p: float) -> float:
 
 
 class GDNDrafter(DynamicTreeDrafter):
-    """A small GDN language model as drafter: its own SpecLACache, tree extension to expand, commit to roll forward."""
+    """A small GDN language model as drafter: its own SpecLACache, the draft tree verified afresh at every depth
+    (``_score``), the deepest accepted node committed to roll forward."""
 
     def __init__(self, drafter_model, options: DraftOptions):
         from specla_hf.gdn import GDNRunner
@@ -202,8 +205,8 @@ class GDNDrafter(DynamicTreeDrafter):
         self.runner = GDNRunner.for_model(drafter_model, role="drafter")
         self.cache = self.runner.new_cache(1)
         self.consumed = 0                    # tokens of input_ids in the drafter's committed state
-        self.node_tokens: list[int] = []     # token of each pending node of the drafter's cache (-1: padding)
-        self.cache_index: list[int] = []     # cache index of each drafter node id (ids count real nodes only)
+        self.tokens: list[int] = []          # the drafter's tree: token and parent of each node, root first
+        self.parents: list[int] = []
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
         dev = self.runner.device
@@ -212,29 +215,30 @@ class GDNDrafter(DynamicTreeDrafter):
         if self.consumed < input_ids.shape[1] - 1:
             self.runner.forward(input_ids[:, self.consumed:-1].to(dev), self.cache)
             self.consumed = input_ids.shape[1] - 1
-        out = self.runner.forward(input_ids[:, -1:].to(dev), self.cache, parents=_long([[-1]], dev))
-        self.node_tokens = [input_ids[0, -1].item()]
-        self.cache_index = [0]
-        return torch.log_softmax(out.logits[0, -1].float(), -1)
+        self.tokens, self.parents = [input_ids[0, -1].item()], [-1]
+        return self._score(0)
 
     def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        first = len(self.tokens)
+        self.tokens += tokens
+        self.parents += parents
+        return self._score(first)
+
+    def _score(self, first: int) -> torch.Tensor:
+        """Verify the whole tree from the committed state; log-probs of nodes ``first..``. A drafter's tree is small
+        and one pass over it costs what a pass over its newest nodes does (the weights are read once either way),
+        while extending the previous pass would need the pending nodes' factors as a prefix (a slow path)."""
         dev = self.runner.device
-        # drafter node ids count real nodes; the cache may also hold padding nodes, so map ids to cache indices
-        cache_parents = [self.cache_index[p] for p in parents]
-        self.cache_index += list(range(self.cache.num_pending, self.cache.num_pending + len(tokens)))
-        out = self.runner.forward(_long([tokens], dev), self.cache, parents=_long([cache_parents], dev))
-        self.node_tokens += tokens + [-1] * (self.cache.num_pending - len(self.node_tokens) - len(tokens))
-        return torch.log_softmax(out.logits[0].float(), -1)
+        self.cache.discard()
+        out = self.runner.forward(_long([self.tokens], dev), self.cache, parents=_long([self.parents], dev))
+        return torch.log_softmax(out.logits[0, first:].float(), -1)
 
     def finish(self, accepted_tokens: list[int]) -> None:
         # commit the deepest drafter node on the accepted path; the rest is consumed at the next start()
-        parents = self.cache.parents[0].tolist()
         path_of = {0: ()}
         node_of = {(): 0}
-        for n in range(1, len(parents)):
-            if parents[n] < 0:
-                continue                     # an inert padding node (GDNRunner.bucket_trees)
-            path_of[n] = path_of[parents[n]] + (self.node_tokens[n],)
+        for n in range(1, len(self.parents)):
+            path_of[n] = path_of[self.parents[n]] + (self.tokens[n],)
             node_of[path_of[n]] = n
         node, depth = 0, 0
         for depth_ in range(1, len(accepted_tokens) + 1):
@@ -242,7 +246,7 @@ class GDNDrafter(DynamicTreeDrafter):
             if key not in node_of:
                 break
             node, depth = node_of[key], depth_
-        self.cache.commit(node)
+        self.cache.commit(node, path_length=1 + depth)
         self.consumed += 1 + depth
 
 

@@ -34,9 +34,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from fla.models import GatedDeltaNetConfig
 from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
-from specla_hf.cache import SpecLACache
+from specla_hf.cuda_graphs import GraphedForward
 from specla_hf.drafting import DraftOptions, DynamicTreeDrafter
-from specla_hf.gdn import GDNRunner
+from specla_hf.gdn import GDNRunner, RunnerOutput
+
+DRAFT_SEQ_TOKENS = 16   # graphed catch-up length (a step accepts at most draft depth + 1 tokens)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -175,28 +177,52 @@ class SpecLADrafter(PreTrainedModel):
 
 
 class _BlockRunner(GDNRunner):
-    """``GDNRunner``'s mixer (fla sequence kernels / tree verification / factors) on the drafter's single block,
-    whose input is a vector rather than a token, so ``GDNRunner.forward`` (embeddings, LM head) is not used."""
+    """``GDNRunner``'s machinery (tree verification and factors, CUDA graphs, tree buckets) on the drafter's block.
 
-    def __init__(self, drafter: SpecLADrafter):
+    A call's inputs are ``(fused features [1, T, H], tokens [1, T])`` instead of token ids; its ``logits`` are the
+    draft log-probs (fp32) and its one hidden state the drafter's output ``h``. The runner lives on the drafter
+    (``for_drafter``), so the graphs captured in one generate() call serve the next ones.
+    """
+
+    def __init__(self, drafter: SpecLADrafter, target, cuda_graphs: bool | None = None):
         # not GDNRunner.__init__: that one checks and wraps a whole GatedDeltaNetForCausalLM
         self.model = drafter
+        self.config = drafter.config
+        self.built_for = (drafter.device, drafter.dtype)
+        self.target = target
+        self.embeddings = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
         self.blocks = [drafter.block]
         self.mixers = [drafter.block.attn]
-        self.graphs = None        # eager: the drafter's calls are not captured in CUDA graphs
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        # catching up after a step consumes up to depth + 1 positions: graph those sequence calls too
+        self.graphs = GraphedForward(self, max_seq_tokens=DRAFT_SEQ_TOKENS) if cuda_graphs else None
+        self.bucket_trees = cuda_graphs
+        self._caches = {}
 
-    @torch.no_grad()
-    def run_block(self, x: torch.Tensor, cache: SpecLACache, parents: torch.Tensor | None) -> torch.Tensor:
-        """Consume ``x [1, T, H]`` into the state (``parents=None``) or verify it as tree nodes; output hidden."""
+    @classmethod
+    def for_drafter(cls, drafter: SpecLADrafter, target) -> _BlockRunner:
+        runner = drafter.__dict__.get("_specla_runner")
+        if runner is None or runner.target is not target or runner.built_for != (drafter.device, drafter.dtype):
+            runner = cls(drafter, target)
+            drafter.__dict__["_specla_runner"] = runner
+        return runner
+
+    def _forward(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
+        fused, tokens = inputs
         if parents is None:
-            cache.advance(x.shape[1])
+            cache.advance(tokens.shape[1])
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
+        x = self.model.block_input(fused, self.embeddings(tokens))
         block = self.blocks[0]
         y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents)
         y, residual = block.mlp_norm(y, residual=x, prenorm=True)
-        return residual + block.mlp(y)
+        h = residual + self._mlp(0, y)
+        top = h if logits_positions is None else h[:, logits_positions]
+        return RunnerOutput(torch.log_softmax(self.lm_head(self.model.norm(top)).float(), -1), (h,))
 
 
 class EagleDrafter(DynamicTreeDrafter):
@@ -214,15 +240,18 @@ class EagleDrafter(DynamicTreeDrafter):
         self.drafter = drafter
         self.feature_layers = tuple(drafter.config.feature_layers)
         self.top = target.config.num_hidden_layers
-        self.embeddings = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
         self.target_norm = target.model.norm
-        self.runner = _BlockRunner(drafter)
+        self.runner = _BlockRunner.for_drafter(drafter, target)
         self.cache = self.runner.new_cache(1)
         self.consumed = 0
         # fused features of target positions consumed..: committed by the target, not yet by the drafter
         self.features = torch.empty(1, 0, drafter.config.hidden_size, dtype=drafter.dtype, device=drafter.device)
-        self.node_hidden = self.features[0]        # output hidden of each pending drafter node (root first)
+        # the draft tree: per node its input feature (the target's for the root, its parent's output below), token,
+        # parent and output hidden, root first
+        self.fused = self.features
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.node_hidden = self.features[0]
 
     @torch.no_grad()
     def add_features(self, features: tuple[torch.Tensor, ...]) -> None:
@@ -231,15 +260,6 @@ class EagleDrafter(DynamicTreeDrafter):
         # GDNRunner gives the top layer before the target's final norm, HF's hidden_states (training) after it
         feats = [self.target_norm(f) if layer == self.top else f for layer, f in zip(self.feature_layers, features)]
         self.features = torch.cat([self.features, self.drafter.fuse(feats)], 1)
-
-    @torch.no_grad()
-    def _run(self, fused: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None,
-             logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = self.drafter.block_input(fused, self.embeddings(tokens.to(fused.device)))
-        h = self.runner.run_block(x, self.cache, parents)
-        if not logits:
-            return h, None
-        return h, torch.log_softmax(self.lm_head(self.drafter.norm(h))[0].float(), -1)
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
         committed = input_ids.shape[1] - 1               # target positions in the target's state
@@ -250,21 +270,32 @@ class EagleDrafter(DynamicTreeDrafter):
         # reads the pending token
         n = committed - 1 - self.consumed
         if n > 0:
-            self._run(self.features[:, :n], input_ids[:, self.consumed + 1:committed], None, logits=False)
+            tokens = input_ids[:, self.consumed + 1:committed].to(self.features.device)
+            self.runner.forward((self.features[:, :n], tokens), self.cache, logits_positions=slice(0, 0))
             self.features, self.consumed = self.features[:, n:], self.consumed + n
         # a one-token prompt has no target feature for the root: a zero feature, never committed
-        root = self.features[:, :1] if committed else self.features.new_zeros(1, 1, self.features.shape[-1])
-        parents = torch.full((1, 1), -1, dtype=torch.long, device=root.device)
-        h, logp = self._run(root, input_ids[:, -1:], parents)
-        self.node_hidden = h[0]
-        return logp[0]
+        self.fused = self.features[:, :1] if committed else self.features.new_zeros(1, 1, self.features.shape[-1])
+        self.tokens, self.parents = [input_ids[0, -1].item()], [-1]
+        self.node_hidden, logp = self._score(0)
+        return logp
 
     def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        dev = self.node_hidden.device
-        parents_t = torch.tensor([parents], dtype=torch.long, device=dev)
-        h, logp = self._run(self.node_hidden[parents_t], torch.tensor([tokens], device=dev), parents_t)
-        self.node_hidden = torch.cat([self.node_hidden, h[0]])
+        first = len(self.tokens)
+        self.fused = torch.cat([self.fused, self.node_hidden[parents][None]], 1)     # parents' outputs, by node id
+        self.tokens += tokens
+        self.parents += parents
+        h, logp = self._score(first)
+        self.node_hidden = torch.cat([self.node_hidden, h])
         return logp
+
+    def _score(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify the whole draft tree from the committed state (see ``GDNDrafter._score`` for why not extend);
+        output hidden ``[n, H]`` and draft log-probs ``[n, vocab]`` of nodes ``first..``."""
+        dev = self.fused.device
+        self.cache.discard()
+        out = self.runner.forward((self.fused, torch.tensor([self.tokens], device=dev)), self.cache,
+                                  parents=torch.tensor([self.parents], device=dev))
+        return out.hidden_states[0][0, first:], out.logits[0, first:]
 
     def finish(self, accepted_tokens: list[int]) -> None:
         self.cache.discard()

@@ -44,3 +44,33 @@ def test_graphed_speculative_decoding_is_lossless(bad_drafter):
                 assert torch.equal(spec, plain), (trial, tree)
     assert model.specla_stats.steps < 25
     assert all(r.graphs.graphs for r in runners)
+
+
+def test_graphed_eagle_drafter_is_lossless_and_drafts_as_eager():
+    from specla_hf import SpecLADrafter, SpecLADrafterConfig
+    from specla_hf.eagle import DRAFT_SEQ_TOKENS, _BlockRunner
+    model = tiny_gdn(seed=53)
+    torch.manual_seed(4)
+    drafter = SpecLADrafter(SpecLADrafterConfig.for_target(model.config, num_heads=2, head_dim=16)).eval()
+    ids = torch.randint(0, 97, (1, 11))
+    plain = model.generate(ids, max_new_tokens=25, do_sample=False)
+    eager = {}
+    for tree in (False, True):
+        assert torch.equal(model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=drafter,
+                                          tree=tree, confidence_threshold=0.0), plain)
+        eager[tree] = model.specla_stats
+    emulate_graphs(model, "target")
+    runner = _BlockRunner.for_drafter(drafter, model)
+    runner.graphs = GraphedForward(runner, emulate=True, max_seq_tokens=DRAFT_SEQ_TOKENS)
+    runner.bucket_trees = True
+    for trial in range(2):                         # the second generate() replays the first one's graphs
+        for tree in (False, True):
+            spec = model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=drafter, tree=tree,
+                                  confidence_threshold=0.0)
+            assert torch.equal(spec, plain), (trial, tree)
+            # padding the drafter's trees to buckets and replaying graphs drafts exactly what eager drafting does
+            assert model.specla_stats.draft_nodes == eager[tree].draft_nodes
+            assert model.specla_stats.accepted == eager[tree].accepted
+    assert _BlockRunner.for_drafter(drafter, model) is runner and runner.graphs.graphs
+    keys = list(runner.graphs.graphs)
+    assert any(k[1] is None and k[0] > 1 for k in keys)      # catch-up sequence calls are graphed too

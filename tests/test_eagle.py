@@ -129,7 +129,7 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     prefill = runner.forward(ids[:, :7], cache, logits_positions=slice(0, 0), hidden_layers=eagle.feature_layers)
     eagle.add_features(prefill.hidden_states)
     tol = dict(rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(eagle.start(ids[:, :8]), logp_seq[6], **tol)      # root: pending token ids[7]
+    torch.testing.assert_close(eagle.start(ids[:, :8])[0], logp_seq[6], **tol)      # root: pending token ids[7]
     torch.testing.assert_close(eagle.expand([int(ids[0, 8])], [0])[0], logp_deep, **tol)
     eagle.finish([int(ids[0, 8])])
     # the target verifies the chain ids[7..10], accepts all of it, and hands over its features
@@ -138,7 +138,7 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     cache.commit(3)
     eagle.add_features(verify.hidden_states)
     # the drafter catches up on positions 6..9 with true features; the new root is position 10
-    torch.testing.assert_close(eagle.start(ids), logp_seq[10], **tol)
+    torch.testing.assert_close(eagle.start(ids)[0], logp_seq[10], **tol)
     assert eagle.consumed == 10 and eagle.cache.seq_length == 10
 
 
