@@ -56,7 +56,6 @@ class _Candidate:
     parent: int        # index into the candidate list, -1 for children of the root
     log_prob: float    # cumulative
     depth: int
-    node: int = -1     # drafter-side node index once expanded
 
 
 @dataclass
@@ -96,9 +95,10 @@ class DynamicTreeDrafter(CandidateGenerator):
         """Catch up on ``input_ids`` (pending token last); return the draft log-probs after it, ``[1, vocab]``."""
         raise NotImplementedError
 
-    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """Run the drafter on new nodes; log-probs ``[n, vocab]``. Drafter nodes are numbered root 0, then in the
-        order they are expanded; ``parents`` are such numbers."""
+    def expand(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Run the drafter on new nodes (``tokens [n]``, ``parents [n]``, on the drafter's device); log-probs
+        ``[n, vocab]``. Drafter nodes are numbered root 0, then in the order they are expanded; ``parents`` are such
+        numbers. Called without any host synchronisation in between: keep it free of ``.item()``/``.tolist()``."""
         raise NotImplementedError
 
     def finish(self, accepted_tokens: list[int]) -> None:
@@ -116,39 +116,49 @@ class DynamicTreeDrafter(CandidateGenerator):
         return min(base / self.calibration.ratio, 0.99) if self.options.adaptive else base
 
     def propose(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> DraftTree:
+        """Draft a tree. Every depth's scoring and expansion stays on the device (one drafter pass each, no host
+        round trip); the candidates come to the host once, at the end, for the global selection. With a confidence
+        threshold one scalar per depth is read back, to stop once no candidate of a depth clears it."""
         opts, threshold = self.options, self.threshold
+        log_threshold = _log(threshold)
         depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
-        cands: list[_Candidate] = []
-        pruned = 0
-        logps = self.start(input_ids)                          # [frontier, vocab]
-        num_nodes = 1                                           # drafter nodes: root 0, then in expansion order
-        frontier = [-1]                                         # candidate index of each frontier node (root: -1)
+        K = opts.topk
+        logps = self.start(input_ids)                              # [frontier, vocab]
+        dev = logps.device
+        frontier_score = logps.new_zeros(1)                         # cumulative log-prob of each frontier node
+        frontier_cand = torch.full((1,), -1, dtype=torch.long, device=dev)   # its candidate index (root: -1)
+        frontier_node = torch.zeros(1, dtype=torch.long, device=dev)         # its drafter node id
+        scores, tokens, parents, depths = [], [], [], []           # candidates of every depth, in order
+        num_cands, num_nodes = 0, 1
         for depth in range(1, depth_limit + 1):
-            new = []
-            top = torch.topk(logps, opts.topk, dim=-1)
-            # one device-to-host transfer per depth (float64 holds any token id exactly)
-            top_logps, top_tokens = torch.stack([top.values.double(), top.indices.double()]).tolist()
-            for parent, lps, toks in zip(frontier, top_logps, top_tokens):
-                base = cands[parent].log_prob if parent >= 0 else 0.0
-                for lp, tok in zip(lps, toks):
-                    c = _Candidate(int(tok), parent, base + lp, depth)
-                    if c.log_prob < _log(threshold):
-                        pruned += 1
-                        continue
-                    new.append(len(cands))
-                    cands.append(c)
-            if not new or depth == depth_limit:
+            top = torch.topk(logps, K, dim=-1)
+            score = (frontier_score[:, None] + top.values).flatten()             # [frontier * K]
+            scores.append(score)
+            tokens.append(top.indices.flatten())
+            parents.append(frontier_cand.repeat_interleave(K))
+            depths.append(score.shape[0])
+            if depth == depth_limit or (threshold > 0 and float(score.max()) < log_threshold):
                 break
-            # expand the most confident nodes of this depth (EAGLE-2), in one drafter pass
-            best = sorted(new, key=lambda i: -cands[i].log_prob)[:opts.topk]
-            parents_node = [cands[cands[i].parent].node if cands[i].parent >= 0 else 0 for i in best]
-            logps = self.expand([cands[i].token for i in best], parents_node)
-            for j, i in enumerate(best):
-                cands[i].node = num_nodes + j
-            num_nodes += len(best)
-            frontier = best
+            # expand the most confident candidates of this depth (EAGLE-2), in one drafter pass
+            frontier_score, best = torch.topk(score, min(K, score.shape[0]))
+            logps = self.expand(tokens[-1][best], frontier_node[best // K])
+            frontier_cand = num_cands + best
+            frontier_node = torch.arange(num_nodes, num_nodes + best.shape[0], device=dev)
+            num_cands += score.shape[0]
+            num_nodes += best.shape[0]
+        # the one host transfer of the proposal (float64 holds any token id and index exactly)
+        score_l = token_l = parent_l = []
+        if scores:               # no depth at all when the sequence is one token short of its length limit
+            rows = torch.stack([torch.cat(scores).double(), torch.cat(tokens).double(), torch.cat(parents).double()])
+            score_l, token_l, parent_l = rows.tolist()
+        depth_l = [d + 1 for d, n in enumerate(depths) for _ in range(n)]
+        # candidates under the threshold are never submitted; their descendants score no higher, so they go too
+        keep = [i for i, lp in enumerate(score_l) if lp >= log_threshold]
+        index = {i: j for j, i in enumerate(keep)}
+        cands = [_Candidate(int(token_l[i]), index[int(parent_l[i])] if parent_l[i] >= 0 else -1, score_l[i],
+                            depth_l[i]) for i in keep]
         tree = self._select(input_ids[0, -1].item(), cands, opts.budget)
-        self.last_tree, self.last_pruned = tree, pruned
+        self.last_tree, self.last_pruned = tree, len(score_l) - len(keep)
         return tree
 
     @staticmethod
@@ -205,8 +215,8 @@ class GDNDrafter(DynamicTreeDrafter):
         self.runner = GDNRunner.for_model(drafter_model, role="drafter")
         self.cache = self.runner.new_cache(1)
         self.consumed = 0                    # tokens of input_ids in the drafter's committed state
-        self.tokens: list[int] = []          # the drafter's tree: token and parent of each node, root first
-        self.parents: list[int] = []
+        # the drafter's tree: token and parent of each node, root first (on the drafter's device)
+        self.tokens = self.parents = torch.empty(0, dtype=torch.long, device=self.runner.device)
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
         dev = self.runner.device
@@ -215,30 +225,31 @@ class GDNDrafter(DynamicTreeDrafter):
         if self.consumed < input_ids.shape[1] - 1:
             self.runner.forward(input_ids[:, self.consumed:-1].to(dev), self.cache)
             self.consumed = input_ids.shape[1] - 1
-        self.tokens, self.parents = [input_ids[0, -1].item()], [-1]
+        self.tokens = input_ids[0, -1:].to(dev)
+        self.parents = torch.full((1,), -1, dtype=torch.long, device=dev)
         return self._score(0)
 
-    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        first = len(self.tokens)
-        self.tokens += tokens
-        self.parents += parents
+    def expand(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        first = self.tokens.shape[0]
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.parents = torch.cat([self.parents, parents])
         return self._score(first)
 
     def _score(self, first: int) -> torch.Tensor:
         """Verify the whole tree from the committed state; log-probs of nodes ``first..``. A drafter's tree is small
         and one pass over it costs what a pass over its newest nodes does (the weights are read once either way),
         while extending the previous pass would need the pending nodes' factors as a prefix (a slow path)."""
-        dev = self.runner.device
         self.cache.discard()
-        out = self.runner.forward(_long([self.tokens], dev), self.cache, parents=_long([self.parents], dev))
+        out = self.runner.forward(self.tokens[None], self.cache, parents=self.parents[None])
         return torch.log_softmax(out.logits[0, first:].float(), -1)
 
     def finish(self, accepted_tokens: list[int]) -> None:
         # commit the deepest drafter node on the accepted path; the rest is consumed at the next start()
+        tokens, parents = torch.stack([self.tokens, self.parents]).tolist()
         path_of = {0: ()}
         node_of = {(): 0}
-        for n in range(1, len(self.parents)):
-            path_of[n] = path_of[self.parents[n]] + (self.tokens[n],)
+        for n in range(1, len(parents)):
+            path_of[n] = path_of[parents[n]] + (tokens[n],)
             node_of[path_of[n]] = n
         node, depth = 0, 0
         for depth_ in range(1, len(accepted_tokens) + 1):
@@ -248,7 +259,3 @@ class GDNDrafter(DynamicTreeDrafter):
             node, depth = node_of[key], depth_
         self.cache.commit(node, path_length=1 + depth)
         self.consumed += 1 + depth
-
-
-def _long(rows, device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)

@@ -249,8 +249,7 @@ class EagleDrafter(DynamicTreeDrafter):
         # the draft tree: per node its input feature (the target's for the root, its parent's output below), token,
         # parent and output hidden, root first
         self.fused = self.features
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
+        self.tokens = self.parents = torch.empty(0, dtype=torch.long, device=drafter.device)
         self.node_hidden = self.features[0]
 
     @torch.no_grad()
@@ -275,15 +274,16 @@ class EagleDrafter(DynamicTreeDrafter):
             self.features, self.consumed = self.features[:, n:], self.consumed + n
         # a one-token prompt has no target feature for the root: a zero feature, never committed
         self.fused = self.features[:, :1] if committed else self.features.new_zeros(1, 1, self.features.shape[-1])
-        self.tokens, self.parents = [input_ids[0, -1].item()], [-1]
+        self.tokens = input_ids[0, -1:].to(self.fused.device)
+        self.parents = torch.full((1,), -1, dtype=torch.long, device=self.fused.device)
         self.node_hidden, logp = self._score(0)
         return logp
 
-    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        first = len(self.tokens)
+    def expand(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        first = self.tokens.shape[0]
         self.fused = torch.cat([self.fused, self.node_hidden[parents][None]], 1)     # parents' outputs, by node id
-        self.tokens += tokens
-        self.parents += parents
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.parents = torch.cat([self.parents, parents])
         h, logp = self._score(first)
         self.node_hidden = torch.cat([self.node_hidden, h])
         return logp
@@ -291,10 +291,8 @@ class EagleDrafter(DynamicTreeDrafter):
     def _score(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify the whole draft tree from the committed state (see ``GDNDrafter._score`` for why not extend);
         output hidden ``[n, H]`` and draft log-probs ``[n, vocab]`` of nodes ``first..``."""
-        dev = self.fused.device
         self.cache.discard()
-        out = self.runner.forward((self.fused, torch.tensor([self.tokens], device=dev)), self.cache,
-                                  parents=torch.tensor([self.parents], device=dev))
+        out = self.runner.forward((self.fused, self.tokens[None]), self.cache, parents=self.parents[None])
         return out.hidden_states[0][0, first:], out.logits[0, first:]
 
     def finish(self, accepted_tokens: list[int]) -> None:

@@ -130,7 +130,7 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     eagle.add_features(prefill.hidden_states)
     tol = dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(eagle.start(ids[:, :8])[0], logp_seq[6], **tol)      # root: pending token ids[7]
-    torch.testing.assert_close(eagle.expand([int(ids[0, 8])], [0])[0], logp_deep, **tol)
+    torch.testing.assert_close(eagle.expand(ids[0, 8:9], torch.tensor([0]))[0], logp_deep, **tol)
     eagle.finish([int(ids[0, 8])])
     # the target verifies the chain ids[7..10], accepts all of it, and hands over its features
     chain = torch.tensor([[-1, 0, 1, 2]])
