@@ -169,17 +169,21 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
-def fp32_equality(target, drafter, tok, texts, n_new):
-    """fp32: SpecLA greedy output (chain and tree) must be token-identical to our plain greedy decoding."""
+def fp32_equality(target, drafter, tok, texts, n_new, hf_prompts: int = 3):
+    """fp32: SpecLA greedy output (chain and tree) must be token-identical to our plain greedy decoding, and that
+    to stock HF ``generate`` (on the first ``hf_prompts``: it is slow)."""
     target.generation_config.eos_token_id = None
-    same = 0
-    for text in texts:
+    same = ar_hf = 0
+    for i, text in enumerate(texts):
         ids = tok(text, return_tensors="pt").input_ids[:, :256].to(target.device)
         ref = autoregressive_decode(GDNRunner.for_model(target), ids, n_new)
         same += all(torch.equal(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
                                                 do_sample=False, assistant_model=drafter, tree=tree,
                                                 confidence_threshold=0.0), ref) for tree in (False, True))
-    return {"prompts": len(texts), "identical": same}
+        if i < hf_prompts:
+            ar_hf += torch.equal(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                                                 do_sample=False), ref)
+    return {"prompts": len(texts), "identical": same, "ar_equals_stock_hf": f"{ar_hf}/{min(hf_prompts, len(texts))}"}
 
 
 def large_config(small) -> GatedDeltaNetConfig:

@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 MAX_SEQ_TOKENS = 4
+DRAFT_SEQ_TOKENS = 16   # a drafter catching up after a step consumes up to draft depth + 1 tokens: graph those too
 MAX_TREE_BUCKET = 128
 
 
@@ -121,6 +122,33 @@ class GraphedForward:
                 out, pending = call()                # recorded, not run
         _restore(cache, saved, prefix)               # undo the warm-up / Python-side effects of the capture
         return _Graph(graph, static_inputs, static_parents, prefix, out, pending)
+
+
+class _Rerun:
+    """CPU stand-in for a captured graph of a function that only reads and writes static tensors: a replay is a
+    re-run (``capture``'s ``emulate``)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+def capture(fn, emulate: bool = False):
+    """A CUDA graph of ``fn()`` (no arguments; reads and writes static tensors only), after one warm-up run on a
+    side stream (Triton compile/autotune, cuBLAS handles): ``fn`` must tolerate running twice."""
+    if emulate:
+        return _Rerun(fn)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 class EmulatedGraph:

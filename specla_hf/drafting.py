@@ -8,7 +8,12 @@ draft node, and the bonus token of a step becomes the next step's root.
 confident frontier nodes (by cumulative draft probability) are expanded by one drafter pass, each gets its ``topk``
 best children, and at the end the global top-``budget`` nodes are submitted; nodes whose cumulative probability is
 under the (adaptive) confidence threshold are never submitted, and a depth whose best node falls under it ends the
-drafting. Subclasses say how one drafter pass scores a set of frontier nodes.
+drafting. Subclasses say how one drafter pass scores the tree built so far.
+
+On the GPU drafting is host-bound unless the host stays out of the loop, so the tree lives in static device buffers
+(``DraftBuffers``) and each depth is one idempotent step on them (score the tree, take each frontier node's top-k,
+pick the next frontier, write its inputs) that is captured once as a CUDA graph and replayed; the candidates reach the
+host once per proposal.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
+
+from specla_hf.cuda_graphs import MAX_TREE_BUCKET, capture, tree_bucket
 
 
 @dataclass
@@ -48,6 +55,34 @@ class DraftOptions:
             raise ValueError(f"draft depth, topk and budget must be >= 1, got {self}")
         if not 0.0 <= self.threshold < 1.0:
             raise ValueError(f"confidence threshold must be in [0, 1), got {self.threshold}")
+        if 1 + self.topk * self.depth > MAX_TREE_BUCKET:
+            raise ValueError(f"a draft tree of depth {self.depth} expanding {self.topk} nodes per depth holds "
+                             f"{1 + self.topk * self.depth} nodes; the drafter verifies at most {MAX_TREE_BUCKET} "
+                             "in one pass: lower draft_depth or tree_topk")
+
+
+class DraftBuffers:
+    """A proposal's tree and candidates in static device tensors (see the module docstring).
+
+    Nodes: 0 is the root; depth ``d``'s step expands ``topk`` nodes into slots ``1 + K(d-1) .. 1 + Kd``. Candidates:
+    depth ``d``'s ``F x K`` children (``F`` = 1 at depth 1, else ``K``) in row ``d - 1``. Row ``d`` of the frontier
+    arrays is written by depth ``d``'s step and read by the next, so a step can be re-run (warm-up, capture) safely.
+    """
+
+    def __init__(self, topk: int, depth: int, device: torch.device):
+        K = topk
+        self.capacity = tree_bucket(1 + K * depth)
+        self.tokens = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.parents = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
+        self.cand_score = torch.full((depth, K * K), float("-inf"), device=device)
+        self.cand_token = torch.zeros(depth, K * K, dtype=torch.long, device=device)
+        self.cand_parent = torch.full((depth, K * K), -1, dtype=torch.long, device=device)
+        self.frontier_score = torch.zeros(depth + 1, K, device=device)      # cumulative log-prob per frontier node
+        self.frontier_cand = torch.full((depth + 1, K), -1, dtype=torch.long, device=device)  # its candidate index
+
+    def reset(self) -> None:
+        """Padding slots must stay inert (children of the committed state) whatever an earlier proposal wrote."""
+        self.parents.fill_(-1)
 
 
 @dataclass
@@ -91,15 +126,20 @@ class DynamicTreeDrafter(CandidateGenerator):
         self.last_pruned = 0   # candidate nodes dropped by the threshold in the last proposal
 
     # ---- what a subclass provides ----
-    def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Catch up on ``input_ids`` (pending token last); return the draft log-probs after it, ``[1, vocab]``."""
+    runner = None            # the drafter's runner (GDNRunner or alike): its ``graphs`` say whether to use graphs
+
+    def start(self, input_ids: torch.LongTensor) -> None:
+        """Catch the drafter's committed state up to the pending token (``input_ids``' last) and write the root's
+        inputs into ``self.buffers`` (slot 0; its token is written by ``propose``)."""
         raise NotImplementedError
 
-    def expand(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        """Run the drafter on new nodes (``tokens [n]``, ``parents [n]``, on the drafter's device); log-probs
-        ``[n, vocab]``. Drafter nodes are numbered root 0, then in the order they are expanded; ``parents`` are such
-        numbers. Called without any host synchronisation in between: keep it free of ``.item()``/``.tolist()``."""
+    def score(self, n: int) -> torch.Tensor:
+        """Run the drafter over tree slots ``0..n`` from its committed state (inputs in ``self.buffers``); draft
+        log-probs ``[n, vocab]``. Runs inside a CUDA-graph capture: no host synchronisation, no state kept."""
         raise NotImplementedError
+
+    def add_nodes(self, first: int, parents: torch.Tensor) -> None:
+        """Write the inputs, other than tokens and parents, of the new nodes ``first..first+len(parents)``."""
 
     def finish(self, accepted_tokens: list[int]) -> None:
         """The target accepted ``accepted_tokens`` after the pending token: roll the drafter's state forward."""
@@ -115,43 +155,64 @@ class DynamicTreeDrafter(CandidateGenerator):
         base = self.options.threshold
         return min(base / self.calibration.ratio, 0.99) if self.options.adaptive else base
 
+    def _depth_step(self, d: int) -> None:
+        """Depth ``d`` of a proposal on ``self.buffers`` (idempotent, static shapes; see ``DraftBuffers``)."""
+        b, K = self.buffers, self.options.topk
+        n, F = 1 + K * (d - 1), (1 if d == 1 else K)             # nodes so far; the newest F are the frontier
+        graphs = self.runner.graphs is not None
+        logp = self.score(tree_bucket(n) if graphs else n)[n - F:n]
+        top = torch.topk(logp, K, dim=-1)
+        score = (b.frontier_score[d - 1, :F, None] + top.values).flatten()          # [F * K]
+        b.cand_score[d - 1, :F * K] = score
+        b.cand_token[d - 1, :F * K] = top.indices.flatten()
+        b.cand_parent[d - 1, :F * K] = b.frontier_cand[d - 1, :F, None].expand(F, K).flatten()   # (no host sync)
+        # expand the most confident candidates of this depth (EAGLE-2): they are the next step's frontier
+        best_score, best = torch.topk(score, K)
+        parents = (n - F) + best // K
+        b.tokens[n:n + K] = top.indices.flatten()[best]
+        b.parents[n:n + K] = parents
+        self.add_nodes(n, parents)
+        b.frontier_score[d] = best_score
+        b.frontier_cand[d] = (0 if d == 1 else K + (d - 2) * K * K) + best
+
+    def _run_depth(self, d: int) -> None:
+        """``_depth_step`` as a CUDA-graph replay where the drafter runs graphs (captured on first use)."""
+        if self.runner.graphs is None:
+            self._depth_step(d)
+            return
+        graphs = self.runner.__dict__.setdefault("_draft_step_graphs", {})
+        key = (id(self.buffers), d)
+        if key not in graphs:
+            graphs[key] = capture(lambda: self._depth_step(d), emulate=self.runner.graphs.emulate)
+        graphs[key].replay()
+
+    @torch.no_grad()
     def propose(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> DraftTree:
-        """Draft a tree. Every depth's scoring and expansion stays on the device (one drafter pass each, no host
-        round trip); the candidates come to the host once, at the end, for the global selection. With a confidence
-        threshold one scalar per depth is read back, to stop once no candidate of a depth clears it."""
+        """Draft a tree: ``start``, one ``_depth_step`` per depth without host round trips, then one transfer of
+        the candidates for the global selection. With a confidence threshold one scalar per depth is read back, to
+        stop once no candidate of a depth clears it."""
         opts, threshold = self.options, self.threshold
         log_threshold = _log(threshold)
         depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
         K = opts.topk
-        logps = self.start(input_ids)                              # [frontier, vocab]
-        dev = logps.device
-        frontier_score = logps.new_zeros(1)                         # cumulative log-prob of each frontier node
-        frontier_cand = torch.full((1,), -1, dtype=torch.long, device=dev)   # its candidate index (root: -1)
-        frontier_node = torch.zeros(1, dtype=torch.long, device=dev)         # its drafter node id
-        scores, tokens, parents, depths = [], [], [], []           # candidates of every depth, in order
-        num_cands, num_nodes = 0, 1
-        for depth in range(1, depth_limit + 1):
-            top = torch.topk(logps, K, dim=-1)
-            score = (frontier_score[:, None] + top.values).flatten()             # [frontier * K]
-            scores.append(score)
-            tokens.append(top.indices.flatten())
-            parents.append(frontier_cand.repeat_interleave(K))
-            depths.append(score.shape[0])
-            if depth == depth_limit or (threshold > 0 and float(score.max()) < log_threshold):
+        self.buffers = self._buffers()
+        self.buffers.reset()
+        self.buffers.tokens[:1].copy_(input_ids[0, -1:])
+        self.start(input_ids)
+        depths = 0
+        for d in range(1, depth_limit + 1):
+            self._run_depth(d)
+            depths = d
+            if threshold > 0 and float(self.buffers.cand_score[d - 1].max()) < log_threshold:
                 break
-            # expand the most confident candidates of this depth (EAGLE-2), in one drafter pass
-            frontier_score, best = torch.topk(score, min(K, score.shape[0]))
-            logps = self.expand(tokens[-1][best], frontier_node[best // K])
-            frontier_cand = num_cands + best
-            frontier_node = torch.arange(num_nodes, num_nodes + best.shape[0], device=dev)
-            num_cands += score.shape[0]
-            num_nodes += best.shape[0]
         # the one host transfer of the proposal (float64 holds any token id and index exactly)
         score_l = token_l = parent_l = []
-        if scores:               # no depth at all when the sequence is one token short of its length limit
-            rows = torch.stack([torch.cat(scores).double(), torch.cat(tokens).double(), torch.cat(parents).double()])
-            score_l, token_l, parent_l = rows.tolist()
-        depth_l = [d + 1 for d, n in enumerate(depths) for _ in range(n)]
+        if depths:               # no depth at all when the sequence is one token short of its length limit
+            b = self.buffers
+            rows = [torch.cat([t[0, :K], t[1:depths].flatten()]).double()
+                    for t in (b.cand_score, b.cand_token, b.cand_parent)]
+            score_l, token_l, parent_l = torch.stack(rows).tolist()
+        depth_l = [1] * min(K, len(score_l)) + [d for d in range(2, depths + 1) for _ in range(K * K)]
         # candidates under the threshold are never submitted; their descendants score no higher, so they go too
         keep = [i for i, lp in enumerate(score_l) if lp >= log_threshold]
         index = {i: j for j, i in enumerate(keep)}
@@ -160,6 +221,14 @@ class DynamicTreeDrafter(CandidateGenerator):
         tree = self._select(input_ids[0, -1].item(), cands, opts.budget)
         self.last_tree, self.last_pruned = tree, len(score_l) - len(keep)
         return tree
+
+    def _buffers(self) -> DraftBuffers:
+        """This drafter's buffers, kept on its runner (with the step graphs bound to them) across generate calls."""
+        pool = self.runner.__dict__.setdefault("_draft_buffers", {})
+        key = (self.options.topk, self.options.depth)
+        if key not in pool:
+            pool[key] = DraftBuffers(self.options.topk, self.options.depth, self.runner.device)
+        return pool[key]
 
     @staticmethod
     def _select(root_token: int, cands: list[_Candidate], budget: int) -> DraftTree:
@@ -206,8 +275,8 @@ def _log(p: float) -> float:
 
 
 class GDNDrafter(DynamicTreeDrafter):
-    """A small GDN language model as drafter: its own SpecLACache, the draft tree verified afresh at every depth
-    (``_score``), the deepest accepted node committed to roll forward."""
+    """A small GDN language model as drafter (the classic assistant), with its own SpecLACache: ``start`` consumes the
+    committed tokens it has not seen (sequence mode), ``score`` verifies the draft tree from its committed state."""
 
     def __init__(self, drafter_model, options: DraftOptions):
         from specla_hf.gdn import GDNRunner
@@ -215,47 +284,20 @@ class GDNDrafter(DynamicTreeDrafter):
         self.runner = GDNRunner.for_model(drafter_model, role="drafter")
         self.cache = self.runner.new_cache(1)
         self.consumed = 0                    # tokens of input_ids in the drafter's committed state
-        # the drafter's tree: token and parent of each node, root first (on the drafter's device)
-        self.tokens = self.parents = torch.empty(0, dtype=torch.long, device=self.runner.device)
 
-    def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        dev = self.runner.device
+    def start(self, input_ids: torch.LongTensor) -> None:
         if self.consumed > input_ids.shape[1] - 1:
             raise RuntimeError("the drafter is ahead of the sequence: was one drafter shared by two generations?")
         if self.consumed < input_ids.shape[1] - 1:
-            self.runner.forward(input_ids[:, self.consumed:-1].to(dev), self.cache)
+            self.runner.forward(input_ids[:, self.consumed:-1].to(self.runner.device), self.cache,
+                                logits_positions=slice(0, 0))
             self.consumed = input_ids.shape[1] - 1
-        self.tokens = input_ids[0, -1:].to(dev)
-        self.parents = torch.full((1,), -1, dtype=torch.long, device=dev)
-        return self._score(0)
 
-    def expand(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        first = self.tokens.shape[0]
-        self.tokens = torch.cat([self.tokens, tokens])
-        self.parents = torch.cat([self.parents, parents])
-        return self._score(first)
-
-    def _score(self, first: int) -> torch.Tensor:
-        """Verify the whole tree from the committed state; log-probs of nodes ``first..``. A drafter's tree is small
-        and one pass over it costs what a pass over its newest nodes does (the weights are read once either way),
-        while extending the previous pass would need the pending nodes' factors as a prefix (a slow path)."""
+    def score(self, n: int) -> torch.Tensor:
+        b = self.buffers
+        out = self.runner._forward(b.tokens[None, :n], self.cache, b.parents[None, :n], None, ())
         self.cache.discard()
-        out = self.runner.forward(self.tokens[None], self.cache, parents=self.parents[None])
-        return torch.log_softmax(out.logits[0, first:].float(), -1)
+        return torch.log_softmax(out.logits[0].float(), -1)
 
     def finish(self, accepted_tokens: list[int]) -> None:
-        # commit the deepest drafter node on the accepted path; the rest is consumed at the next start()
-        tokens, parents = torch.stack([self.tokens, self.parents]).tolist()
-        path_of = {0: ()}
-        node_of = {(): 0}
-        for n in range(1, len(parents)):
-            path_of[n] = path_of[parents[n]] + (tokens[n],)
-            node_of[path_of[n]] = n
-        node, depth = 0, 0
-        for depth_ in range(1, len(accepted_tokens) + 1):
-            key = tuple(accepted_tokens[:depth_])
-            if key not in node_of:
-                break
-            node, depth = node_of[key], depth_
-        self.cache.commit(node, path_length=1 + depth)
-        self.consumed += 1 + depth
+        pass                                 # nothing pending: the accepted tokens are consumed by the next start()

@@ -34,11 +34,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from fla.models import GatedDeltaNetConfig
 from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
-from specla_hf.cuda_graphs import GraphedForward
+from specla_hf.cuda_graphs import DRAFT_SEQ_TOKENS, GraphedForward
 from specla_hf.drafting import DraftOptions, DynamicTreeDrafter
 from specla_hf.gdn import GDNRunner, RunnerOutput
-
-DRAFT_SEQ_TOKENS = 16   # graphed catch-up length (a step accepts at most draft depth + 1 tokens)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -196,7 +194,6 @@ class _BlockRunner(GDNRunner):
         self.mixers = [drafter.block.attn]
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        # catching up after a step consumes up to depth + 1 positions: graph those sequence calls too
         self.graphs = GraphedForward(self, max_seq_tokens=DRAFT_SEQ_TOKENS) if cuda_graphs else None
         self.bucket_trees = cuda_graphs
         self._caches = {}
@@ -229,10 +226,10 @@ class EagleDrafter(DynamicTreeDrafter):
     """Dynamic-tree drafting with a ``SpecLADrafter`` beside a GDN target (alignment in the module docstring).
 
     The drafter's committed state has consumed drafter positions ``< consumed``, always with the target's true
-    features. ``start`` catches up to the root with buffered features in sequence mode and runs the root as a tree
-    node; ``expand`` adds tree nodes fed by their parents' output hidden states; ``finish`` discards every draft node:
-    the accepted positions get their true features from the verify pass and are consumed by the next ``start`` (a
-    re-run of the one-layer drafter, never of the target).
+    features. ``start`` catches up to the root with buffered features in sequence mode and writes the root's inputs;
+    ``score`` verifies the draft tree, each node fed its parent's output hidden state (``add_nodes``) in place of the
+    target's feature; ``finish`` has nothing to undo: the accepted positions get their true features from the verify
+    pass and are consumed by the next ``start`` (a re-run of the one-layer drafter, never of the target).
     """
 
     def __init__(self, drafter: SpecLADrafter, target, options: DraftOptions):
@@ -246,11 +243,6 @@ class EagleDrafter(DynamicTreeDrafter):
         self.consumed = 0
         # fused features of target positions consumed..: committed by the target, not yet by the drafter
         self.features = torch.empty(1, 0, drafter.config.hidden_size, dtype=drafter.dtype, device=drafter.device)
-        # the draft tree: per node its input feature (the target's for the root, its parent's output below), token,
-        # parent and output hidden, root first
-        self.fused = self.features
-        self.tokens = self.parents = torch.empty(0, dtype=torch.long, device=drafter.device)
-        self.node_hidden = self.features[0]
 
     @torch.no_grad()
     def add_features(self, features: tuple[torch.Tensor, ...]) -> None:
@@ -260,7 +252,16 @@ class EagleDrafter(DynamicTreeDrafter):
         feats = [self.target_norm(f) if layer == self.top else f for layer, f in zip(self.feature_layers, features)]
         self.features = torch.cat([self.features, self.drafter.fuse(feats)], 1)
 
-    def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
+    def _buffers(self):
+        """The shared tree buffers plus, per slot, the node's input feature and its output hidden state."""
+        b = super()._buffers()
+        if not hasattr(b, "fused"):
+            H = self.drafter.config.hidden_size
+            b.fused = torch.zeros(1, b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
+            b.hidden = torch.zeros(b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
+        return b
+
+    def start(self, input_ids: torch.LongTensor) -> None:
         committed = input_ids.shape[1] - 1               # target positions in the target's state
         if self.consumed + self.features.shape[1] != committed:
             raise RuntimeError(f"the drafter holds features of {self.consumed + self.features.shape[1]} positions "
@@ -273,30 +274,22 @@ class EagleDrafter(DynamicTreeDrafter):
             self.runner.forward((self.features[:, :n], tokens), self.cache, logits_positions=slice(0, 0))
             self.features, self.consumed = self.features[:, n:], self.consumed + n
         # a one-token prompt has no target feature for the root: a zero feature, never committed
-        self.fused = self.features[:, :1] if committed else self.features.new_zeros(1, 1, self.features.shape[-1])
-        self.tokens = input_ids[0, -1:].to(self.fused.device)
-        self.parents = torch.full((1,), -1, dtype=torch.long, device=self.fused.device)
-        self.node_hidden, logp = self._score(0)
-        return logp
+        root = self.buffers.fused[:, :1]
+        root.copy_(self.features[:, :1]) if committed else root.zero_()
 
-    def expand(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        first = self.tokens.shape[0]
-        self.fused = torch.cat([self.fused, self.node_hidden[parents][None]], 1)     # parents' outputs, by node id
-        self.tokens = torch.cat([self.tokens, tokens])
-        self.parents = torch.cat([self.parents, parents])
-        h, logp = self._score(first)
-        self.node_hidden = torch.cat([self.node_hidden, h])
-        return logp
-
-    def _score(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Verify the whole draft tree from the committed state (see ``GDNDrafter._score`` for why not extend);
-        output hidden ``[n, H]`` and draft log-probs ``[n, vocab]`` of nodes ``first..``."""
+    def score(self, n: int) -> torch.Tensor:
+        b = self.buffers
+        out = self.runner._forward((b.fused[:, :n], b.tokens[None, :n]), self.cache, b.parents[None, :n], None, ())
         self.cache.discard()
-        out = self.runner.forward((self.fused, self.tokens[None]), self.cache, parents=self.parents[None])
-        return out.hidden_states[0][0, first:], out.logits[0, first:]
+        b.hidden[:n] = out.hidden_states[0][0]
+        return out.logits[0]
+
+    def add_nodes(self, first: int, parents: torch.Tensor) -> None:
+        b = self.buffers
+        b.fused[0, first:first + parents.shape[0]] = b.hidden[parents]              # parents' outputs (EAGLE)
 
     def finish(self, accepted_tokens: list[int]) -> None:
-        self.cache.discard()
+        pass
 
 
 AutoConfig.register(SpecLADrafterConfig.model_type, SpecLADrafterConfig)

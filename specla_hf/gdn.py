@@ -27,7 +27,8 @@ from fla.modules import GatedMLP
 from fla.modules.activations import swiglu
 from specla_hf import backend
 from specla_hf.cache import SpecLACache, SpecLALayer
-from specla_hf.cuda_graphs import MAX_TREE_BUCKET, GraphedForward, num_tokens, pad_tokens, tree_bucket
+from specla_hf.cuda_graphs import (DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward, num_tokens,
+                                   pad_tokens, tree_bucket)
 from specla_kernels import ops
 
 
@@ -108,7 +109,8 @@ class GDNRunner:
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
-        self.graphs = GraphedForward(self) if cuda_graphs else None
+        self.graphs = (GraphedForward(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
+                       if cuda_graphs else None)
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
         self._caches: dict[int, SpecLACache] = {}
 

@@ -129,8 +129,14 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     prefill = runner.forward(ids[:, :7], cache, logits_positions=slice(0, 0), hidden_layers=eagle.feature_layers)
     eagle.add_features(prefill.hidden_states)
     tol = dict(rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(eagle.start(ids[:, :8])[0], logp_seq[6], **tol)      # root: pending token ids[7]
-    torch.testing.assert_close(eagle.expand(ids[0, 8:9], torch.tensor([0]))[0], logp_deep, **tol)
+    buf = eagle.buffers = eagle._buffers()
+    buf.reset()
+    buf.tokens[0] = ids[0, 7]                                    # root: the pending token
+    eagle.start(ids[:, :8])
+    torch.testing.assert_close(eagle.score(1)[0], logp_seq[6], **tol)
+    buf.tokens[1], buf.parents[1] = ids[0, 8], 0                 # a depth-1 node below the root
+    eagle.add_nodes(1, torch.tensor([0]))
+    torch.testing.assert_close(eagle.score(2)[1], logp_deep, **tol)
     eagle.finish([int(ids[0, 8])])
     # the target verifies the chain ids[7..10], accepts all of it, and hands over its features
     chain = torch.tensor([[-1, 0, 1, 2]])
@@ -138,7 +144,10 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     cache.commit(3)
     eagle.add_features(verify.hidden_states)
     # the drafter catches up on positions 6..9 with true features; the new root is position 10
-    torch.testing.assert_close(eagle.start(ids)[0], logp_seq[10], **tol)
+    buf.reset()
+    buf.tokens[0] = ids[0, -1]                                   # the new pending token
+    eagle.start(ids)
+    torch.testing.assert_close(eagle.score(1)[0], logp_seq[10], **tol)
     assert eagle.consumed == 10 and eagle.cache.seq_length == 10
 
 
