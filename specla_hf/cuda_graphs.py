@@ -45,6 +45,8 @@ class _Graph:
     prefix: tuple | None            # static copies of the pending parents and factors the call extends
     out: object                     # RunnerOutput of the captured call
     pending: tuple | None           # (cache.parents, [(k_hat, u, g, x) per layer]) right after the call
+    commit: object = None           # a tree call's commit graph (captured on first commit), and its accepted node
+    accepted: torch.Tensor | None = None
 
 
 class GraphedForward:
@@ -61,6 +63,7 @@ class GraphedForward:
         # each graph gets its own memory pool: the outputs of one (e.g. the target's pending factors) must survive
         # the replays of others (the drafter's) until they are committed
         self.graphs: dict[tuple, _Graph] = {}
+        self.last_tree: _Graph | None = None     # the tree graph whose outputs are the cache's pending nodes
 
     def supports(self, inputs, parents: torch.Tensor | None) -> bool:
         T = num_tokens(inputs)
@@ -90,11 +93,39 @@ class GraphedForward:
             cache.parents, factors = g.pending
             for layer, (k_hat, u, gate, x) in zip(cache.layers, factors):
                 layer.k_hat, layer.u, layer.g, layer.x = k_hat, u, gate, x
+            self.last_tree = g
         return g.out
 
+    def commit(self, cache, accepted: int, path_length: int) -> bool:
+        """``cache.commit`` of the pending nodes of the last tree call as one graph replay (the commit kernels of
+        every layer read that graph's static outputs); False, doing nothing, if the cache holds other nodes."""
+        g = self.last_tree
+        if g is None or cache.parents is not g.pending[0]:
+            return False
+        if g.commit is None:
+            from specla_kernels import ops
+            g.accepted = torch.full((1,), -1, dtype=torch.long, device=g.parents.device)
+            parents, factors = g.pending
+            states = [layer.state for layer in cache.layers]
+            windows = [layer.window for layer in cache.layers]
+
+            def commit_all():
+                ops.commit_states_(states, *[list(f) for f in zip(*factors)][:3], parents, g.accepted)
+                if windows[0] is not None:
+                    ops.commit_windows_([f[3] for f in factors], windows, parents, g.accepted)
+            # captured with accepted = -1: the warm-up run inside `capture` then commits nothing
+            g.commit = capture(commit_all, emulate=self.emulate)
+        g.accepted.fill_(accepted)
+        g.commit.replay()
+        cache.discard()
+        cache.seq_length += path_length
+        return True
+
     def _capture(self, inputs, cache, parents, logits_positions, hidden_layers) -> _Graph:
-        static_inputs = tree_map(torch.clone, inputs)
-        static_parents = None if parents is None else parents.clone()
+        # static buffers on the runner's device (callers may pass host tensors: replays copy them in)
+        device = self.runner.device
+        static_inputs = tree_map(lambda t: t.to(device, copy=True), inputs)
+        static_parents = None if parents is None else parents.to(device, copy=True)
         prefix = None
         if parents is not None and cache.num_pending:
             prefix = (cache.parents.clone(), [tuple(t.clone() for t in (l.k_hat, l.u, l.g, l.x)) for l in cache.layers])

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                       StopStringCriteria, StoppingCriteriaList)
 
 from specla_hf.drafting import DraftTree, DynamicTreeDrafter
 from specla_hf.gdn import GDNRunner
@@ -117,13 +118,16 @@ def speculative_decode(
         t0 = time.perf_counter()
         tree = drafter.propose(input_ids, max_depth=max_length - input_ids.shape[1] - 1)
         t1 = time.perf_counter()
-        out = target.forward(tree.tokens[None].to(target.device), cache, parents=tree.parents[None].to(target.device),
-                             logits_positions=slice(None), hidden_layers=feature_layers)
+        # host tensors: the runner pads them to their bucket on the host and copies them in once
+        out = target.forward(tree.tokens[None], cache, parents=tree.parents[None], logits_positions=slice(None),
+                             hidden_layers=feature_layers)
         logits = out.logits[0].float().to(input_ids.device)
         node, emitted, scores = accept_path(tree, logits, input_ids, logits_processor, do_sample)
         path = _path_nodes(tree, node)
-        cache.commit(node, path_length=len(path))
-        drafter.add_features(tuple(h[:, path] for h in out.hidden_states))
+        target.commit(cache, node, len(path))
+        if feature_layers:
+            on_path = torch.tensor(path, device=target.device)
+            drafter.add_features(tuple(h.index_select(1, on_path) for h in out.hidden_states))
         _sync(target.device)
         t2 = time.perf_counter()
         stats.target_calls += 1
@@ -133,25 +137,45 @@ def speculative_decode(
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
 
-        # emit token by token so that EOS / max_length / any stopping criterion stops exactly where plain decoding would
-        done, added = False, 0
-        for tok, score, n in zip(emitted, scores, path):
-            input_ids = torch.cat([input_ids, input_ids.new_tensor([[tok]])], 1)
-            added += 1
-            if keep_scores:
-                all_scores.append(score)
-                all_logits.append(logits[n:n + 1])
-            if bool(stopping_criteria(input_ids, None).any()):
-                done = True
-                break
+        # emit up to the first token after which EOS / max_length / any stopping criterion fires, exactly where plain
+        # decoding would stop
+        stop = _stop_after(stopping_criteria, input_ids, emitted)
+        added = len(emitted) if stop is None else stop
+        input_ids = torch.cat([input_ids, input_ids.new_tensor([emitted[:added]])], 1)
+        if keep_scores:
+            all_scores += scores[:added]
+            all_logits += [logits[n:n + 1] for n in path[:added]]
         if streamer is not None:
             streamer.put(input_ids[:, -added:].cpu())
         drafter.observe(emitted[:-1])
-        if done:
+        if stop is not None:
             break
     stats.new_tokens = input_ids.shape[1] - prompt_len
     stats.total_time = time.perf_counter() - start
     return input_ids, stats, all_scores, all_logits
+
+
+# transformers' criteria that look at nothing but the sequence they are given (and the clock)
+STATELESS_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
+
+
+def _stop_after(stopping_criteria: StoppingCriteriaList, input_ids: torch.LongTensor, emitted: list[int]) -> int | None:
+    """How many of ``emitted`` to append: up to and including the first after which a criterion fires (None: none).
+
+    Stateless criteria are evaluated on every prefix and read back with one host sync; others (user criteria may
+    keep state) are called prefix by prefix, in order, stopping at the first that fires, as plain decoding calls them.
+    """
+    new = input_ids.new_tensor([emitted])
+    prefixes = (torch.cat([input_ids, new[:, :j + 1]], 1) for j in range(len(emitted)))
+    if all(isinstance(c, STATELESS_CRITERIA) for c in stopping_criteria):
+        flags = torch.stack([stopping_criteria(p, None).any() for p in prefixes]).tolist()
+    else:
+        flags = []
+        for p in prefixes:
+            flags.append(bool(stopping_criteria(p, None).any()))
+            if flags[-1]:
+                break
+    return next((j + 1 for j, hit in enumerate(flags) if hit), None)
 
 
 def _path_nodes(tree: DraftTree, node: int) -> list[int]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 import fla.layers.gated_deltanet as fla_gdn
 from fla.layers.gated_deltanet import GatedDeltaNet
@@ -169,10 +170,18 @@ class GDNRunner:
         if self.graphs is not None and self.graphs.supports(input_ids, parents):
             out = self.graphs(input_ids, cache, parents, logits_positions, hidden_layers)
         else:
-            out = self._forward(input_ids, cache, parents, logits_positions, hidden_layers)
+            to_device = lambda t: t.to(self.device)         # noqa: E731  (callers may pass host tensors)
+            out = self._forward(tree_map(to_device, input_ids), cache, None if parents is None else to_device(parents),
+                                logits_positions, hidden_layers)
         if parents is not None and num_tokens(input_ids) != T:
             out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
         return out
+
+    def commit(self, cache: SpecLACache, accepted: int, path_length: int) -> None:
+        """Keep the root-to-``accepted`` path of the verified nodes (``path_length`` nodes): one CUDA-graph replay when
+        they came from a graphed verify pass, ``cache.commit`` otherwise."""
+        if self.graphs is None or not self.graphs.commit(cache, accepted, path_length):
+            cache.commit(accepted, path_length=path_length)
 
     def _forward(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         if parents is None:

@@ -89,15 +89,21 @@ def test_custom_stopping_criterion_and_exact_max_new_tokens(target):
             self.token = token
 
         def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append(input_ids.shape[1])          # a user criterion may keep state
             return input_ids[:, -1] == self.token
 
     ids = torch.randint(0, 97, (1, 4))
     free = target.generate(ids, max_new_tokens=20, do_sample=False)
-    crit = StoppingCriteriaList([StopAfterToken(int(free[0, 4 + 5]))])
+    stop = StopAfterToken(int(free[0, 4 + 5]))
+    crit = StoppingCriteriaList([stop])
+    stop.seen = []
     plain = target.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=crit)
+    seen_plain, stop.seen = stop.seen, []
     spec = target.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=crit, assistant_model=target,
                            confidence_threshold=0.0)
     assert torch.equal(plain, spec)
+    # it sees each prefix once, in order, and nothing past the stop: as plain decoding calls it
+    assert stop.seen == seen_plain == list(range(5, plain.shape[1] + 1))
     for n in (1, 2, 7, 13):
         out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=target, confidence_threshold=0)
         assert out.shape[1] == 4 + n

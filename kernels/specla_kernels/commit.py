@@ -119,16 +119,20 @@ def commit_window_kernel(
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
+_CAPTURED: dict[tuple, torch.Tensor] = {}     # tables a captured CUDA graph reads: never freed
 
 
 def _address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """int64 base addresses of ``tensors`` on their device, cached by address (a decoding loop reuses its buffers)."""
+    """int64 base addresses of ``tensors`` on their device, cached by address (a decoding loop reuses its buffers).
+    Under CUDA-graph capture the table must exist already (a warm-up call made it); it is then kept for good."""
     key = (tensors[0].device, *(t.data_ptr() for t in tensors))
-    table = _TABLES.get(key)
+    table = _CAPTURED.get(key, _TABLES.get(key))
     if table is None:
         if len(_TABLES) > 1024:
             _TABLES.clear()
         table = _TABLES[key] = torch.tensor(key[1:], dtype=torch.int64, device=tensors[0].device)
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        _CAPTURED[key] = table
     return table
 
 
