@@ -223,6 +223,7 @@ class GDNRunner:
                                               output_final_state=True, activation=m.q_conv1d.activation)
             layer.window.copy_(window)
         else:
+            x = x.contiguous()      # a column slice of the GEMM output: one copy serves the conv and the factors
             x_all = torch.cat([layer.x, x], 1) if layer.x.shape[1] else x
             y = ops.tree_conv(x_all, conv_weight, conv_bias, layer.window, parents)[:, -T:]
         q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], -1)

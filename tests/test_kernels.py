@@ -134,6 +134,25 @@ def test_tree_delta_matches_reference(device, kind, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bushy", "single"])
+def test_tree_delta_reads_column_slices_in_place(device, kind):
+    """q, k, v as column slices of one wider [B, N, D] tensor (the runner's conv output): same results as contiguous
+    inputs, for several sequences and for a single node."""
+    gen = seeded(kind, 'strided')
+    B, H, HV, K, V = SHAPES[device][0]
+    N = SIZES[device][kind]
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, torch.float32, device, gen)
+    wide = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2), torch.zeros(B, N, 3, device=device)], -1)
+    qs, ks, vs = torch.split(wide[..., :-3], [H * K, H * K, HV * V], -1)
+    qs, ks, vs = qs.view(B, N, H, K), ks.view(B, N, H, K), vs.view(B, N, HV, V)
+    assert not qs.is_contiguous()
+    parents = random_parents(kind, B, N, gen).to(device)
+    for got, want in zip(tree_gated_delta_rule(qs, ks, vs, g, beta, parents, state),
+                         tree_gated_delta_rule(q, k, v, g, beta, parents, state)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_tree_equals_its_paths(device):
     """Verifying a tree gives, at every node, what verifying its root-to-node path as a chain gives."""
     gen = torch.Generator().manual_seed(7)

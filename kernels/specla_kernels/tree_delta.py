@@ -51,6 +51,7 @@ def tree_gdn_fwd_kernel(
     q, k, v, g, beta, parents, h0,         # inputs
     o, k_hat, u,                           # outputs
     scale, N, n_sq,
+    stride_qt, stride_kt, stride_vt,       # elements between consecutive tokens of q, k, v (views of a wider tensor)
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -72,7 +73,7 @@ def tree_gdn_fwd_kernel(
     rows = tl.arange(0, BN)
     m_n = rows < N
     tok = (i_b * N + rows).to(tl.int64)            # token index into [B, N, ...]
-    p_k = k + (tok[:, None] * H + i_h) * K
+    p_k = k + tok[:, None] * stride_kt + i_h * K
 
     if i_v == NV:
         # one extra program per key head writes k̂, off the critical path of the others
@@ -91,12 +92,12 @@ def tree_gdn_fwd_kernel(
     else:
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_q = q + (tok[:, None] * H + i_h) * K
+        p_q = q + tok[:, None] * stride_qt + i_h * K
         # the small operands first, so that their latency hides behind the K loop
         p_n = tl.load(parents + i_b * N + rows, mask=m_n, other=-1).to(tl.int32)
         b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
         b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
-        b_vv = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
+        b_vv = tl.load(v + tok[:, None] * stride_vt + i_hv * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
                        other=0.).to(tl.float32)
 
         # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred) and the squared norms
@@ -227,6 +228,20 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict
                 LATE_QK=BN >= 64)
 
 
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, N, heads, dim]`` as is if its tokens are evenly spaced rows of contiguous heads, else a contiguous
+    copy."""
+    B, N, heads, dim = x.shape
+    if x.stride(-1) == 1 and x.stride(-2) == dim and (B == 1 or N == 1 or x.stride(0) == N * x.stride(1)):
+        return x
+    return x.contiguous()
+
+
+def _token_stride(x: torch.Tensor) -> int:
+    """Elements between token ``t`` and ``t + 1`` of the flattened ``[B * N]`` tokens of a ``_token_rows`` tensor."""
+    return x.stride(0) if x.shape[1] == 1 else x.stride(1)
+
+
 def tree_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -252,8 +267,10 @@ def tree_gated_delta_rule(
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
     scale = K ** -0.5 if scale is None else scale
     cfg = {**tree_config(N, V, k.dtype), **(config or {})}
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = torch.empty_like(v)
+    # q, k, v may be column slices of one conv output [B, N, D]: read in place (no copies) when each token's heads
+    # are contiguous and tokens evenly spaced
+    q, k, v = (_token_rows(t) for t in (q, k, v))
+    o = v.new_empty(B, N, HV, V)
     k_hat = k.new_empty(B, N, H, K, dtype=torch.float32)
     u = v.new_empty(B, N, HV, V, dtype=torch.float32)
     # one column of programs per V slice, plus one that writes k̂
@@ -261,7 +278,7 @@ def tree_gated_delta_rule(
     tree_gdn_fwd_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), parents.contiguous(), initial_state.contiguous(),
         o, k_hat, u,
-        scale, N, (N - 1).bit_length(),
+        scale, N, (N - 1).bit_length(), _token_stride(q), _token_stride(k), _token_stride(v),
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
         BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
         OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], num_warps=cfg['num_warps'],
