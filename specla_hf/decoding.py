@@ -25,8 +25,8 @@ class SpecLAStats:
     new_tokens: int = 0
     draft_nodes: list[int] = field(default_factory=list)      # draft nodes verified per step
     accepted: list[int] = field(default_factory=list)         # draft tokens accepted per step
-    draft_time: float = 0.0
-    verify_time: float = 0.0
+    draft_time: float = 0.0               # host wall time launching and collecting proposals (GPU drafting included)
+    verify_time: float = 0.0              # host wall time of verify, acceptance, commit (GPU verify included)
     total_time: float = 0.0
 
     @property
@@ -114,10 +114,14 @@ def speculative_decode(
         drafter.add_features(out.hidden_states)
         stats.target_calls += 1
     prompt_len = input_ids.shape[1]
+    launched = time.perf_counter()
+    drafter.launch(input_ids, max_depth=max_length - input_ids.shape[1] - 1)
+    launch_s = time.perf_counter() - launched
     while True:
         t0 = time.perf_counter()
-        tree = drafter.propose(input_ids, max_depth=max_length - input_ids.shape[1] - 1)
+        tree = drafter.collect()
         t1 = time.perf_counter()
+        stats.draft_time += launch_s + t1 - t0
         # host tensors: the runner pads them to their bucket on the host and copies them in once
         out = target.forward(tree.tokens[None], cache, parents=tree.parents[None], logits_positions=slice(None),
                              hidden_layers=feature_layers)
@@ -128,26 +132,29 @@ def speculative_decode(
         if feature_layers:
             on_path = torch.tensor(path, device=target.device)
             drafter.add_features(tuple(h.index_select(1, on_path) for h in out.hidden_states))
-        _sync(target.device)
-        t2 = time.perf_counter()
+        stats.verify_time += time.perf_counter() - t1
         stats.target_calls += 1
         stats.steps += 1
         stats.draft_nodes.append(len(tree) - 1)
         stats.accepted.append(len(emitted) - 1)
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
+        drafter.observe(emitted[:-1])
 
+        # the next proposal goes to the device now, so the GPU drafts while the host checks the stopping criteria
+        # (if one fires, that proposal is dropped)
+        grown = torch.cat([input_ids, input_ids.new_tensor([emitted])], 1)
+        launched = time.perf_counter()
+        drafter.launch(grown, max_depth=max_length - grown.shape[1] - 1)
+        launch_s = time.perf_counter() - launched
         # emit up to the first token after which EOS / max_length / any stopping criterion fires, exactly where plain
         # decoding would stop
         stop = _stop_after(stopping_criteria, input_ids, emitted)
         added = len(emitted) if stop is None else stop
-        input_ids = torch.cat([input_ids, input_ids.new_tensor([emitted[:added]])], 1)
+        input_ids = grown[:, :input_ids.shape[1] + added]
         if keep_scores:
             all_scores += scores[:added]
             all_logits += [logits[n:n + 1] for n in path[:added]]
         if streamer is not None:
             streamer.put(input_ids[:, -added:].cpu())
-        drafter.observe(emitted[:-1])
         if stop is not None:
             break
     stats.new_tokens = input_ids.shape[1] - prompt_len
@@ -185,8 +192,3 @@ def _path_nodes(tree: DraftTree, node: int) -> list[int]:
         out.append(node)
         node = parents[node]
     return out[::-1]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -186,15 +186,19 @@ class DynamicTreeDrafter(CandidateGenerator):
             graphs[key] = capture(lambda: self._depth_step(d), emulate=self.runner.graphs.emulate)
         graphs[key].replay()
 
-    @torch.no_grad()
     def propose(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> DraftTree:
-        """Draft a tree: ``start``, one ``_depth_step`` per depth without host round trips, then one transfer of
-        the candidates for the global selection. With a confidence threshold one scalar per depth is read back, to
-        stop once no candidate of a depth clears it."""
-        opts, threshold = self.options, self.threshold
+        """Draft a tree after ``input_ids`` (``launch`` then ``collect``)."""
+        self.launch(input_ids, max_depth)
+        return self.collect()
+
+    @torch.no_grad()
+    def launch(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> None:
+        """Start a proposal: ``start``, then one ``_depth_step`` per depth, queued on the device without host round
+        trips, so the host is free until ``collect``. With a confidence threshold one scalar per depth is read back,
+        to stop once no candidate of a depth clears it."""
+        threshold = self.threshold
         log_threshold = _log(threshold)
         depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
-        K = opts.topk
         self.buffers = self._buffers()
         self.buffers.reset()
         self.buffers.tokens[:1].copy_(input_ids[0, -1:])
@@ -205,10 +209,16 @@ class DynamicTreeDrafter(CandidateGenerator):
             depths = d
             if threshold > 0 and float(self.buffers.cand_score[d - 1].max()) < log_threshold:
                 break
-        # the one host transfer of the proposal (float64 holds any token id and index exactly)
+        self._launched = (input_ids[0, -1:], depths, log_threshold)
+
+    def collect(self) -> DraftTree:
+        """The launched proposal's tree: one host transfer of every depth's candidates, then the global selection."""
+        root, depths, log_threshold = self._launched
+        K = self.options.topk
         score_l = token_l = parent_l = []
         if depths:               # no depth at all when the sequence is one token short of its length limit
             b = self.buffers
+            # float64 holds any token id and index exactly
             rows = [torch.cat([t[0, :K], t[1:depths].flatten()]).double()
                     for t in (b.cand_score, b.cand_token, b.cand_parent)]
             score_l, token_l, parent_l = torch.stack(rows).tolist()
@@ -218,7 +228,7 @@ class DynamicTreeDrafter(CandidateGenerator):
         index = {i: j for j, i in enumerate(keep)}
         cands = [_Candidate(int(token_l[i]), index[int(parent_l[i])] if parent_l[i] >= 0 else -1, score_l[i],
                             depth_l[i]) for i in keep]
-        tree = self._select(input_ids[0, -1].item(), cands, opts.budget)
+        tree = self._select(int(root.item()), cands, self.options.budget)
         self.last_tree, self.last_pruned = tree, len(score_l) - len(keep)
         return tree
 

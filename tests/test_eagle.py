@@ -202,16 +202,19 @@ def test_pruning_never_submits_a_node_under_the_threshold(target):
         drafter.norm.weight.mul_(12.0)   # sharpen the random drafter so cumulative confidences spread out
     options = draft_options(tree=True, tree_topk=4, tree_budget=24, confidence_threshold=0.05)
     eagle = EagleDrafter(drafter, target, options)
-    seen = []
-    propose = eagle.propose
+    seen, thresholds = [], []
+    launch, collect = eagle.launch, eagle.collect
 
-    def recording_propose(input_ids, max_depth=None):
-        threshold = eagle.threshold                        # adaptive: read it when the proposal starts
-        tree = propose(input_ids, max_depth)
-        seen.append((threshold, tree, eagle.last_pruned))
+    def recording_launch(input_ids, max_depth=None):
+        thresholds.append(eagle.threshold)                 # adaptive: read it when the proposal starts
+        launch(input_ids, max_depth)
+
+    def recording_collect():
+        tree = collect()
+        seen.append((thresholds[-1], tree, eagle.last_pruned))
         return tree
 
-    eagle.propose = recording_propose
+    eagle.launch, eagle.collect = recording_launch, recording_collect
     ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(4))
     plain = target.generate(ids, max_new_tokens=40, do_sample=False)
     assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=eagle), plain)
