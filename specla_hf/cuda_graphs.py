@@ -12,6 +12,7 @@ cache per batch size and ``GDNRunner.new_cache`` resets it.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +115,14 @@ class GraphedForward:
                 if windows[0] is not None:
                     ops.commit_windows_([f[3] for f in factors], windows, parents, g.accepted)
             # captured with accepted = -1: the warm-up run inside `capture` then commits nothing
-            g.commit = capture(commit_all, emulate=self.emulate)
+            try:
+                g.commit = capture(commit_all, emulate=self.emulate)
+            except Exception as e:  # noqa: BLE001 - a failed capture costs speed, not correctness: say so, go eager
+                warnings.warn(f"SpecLA: capturing the commit in a CUDA graph failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); committing eagerly (slower)", RuntimeWarning)
+                g.commit = False
+        if g.commit is False:
+            return False
         g.accepted.fill_(accepted)
         g.commit.replay()
         cache.discard()

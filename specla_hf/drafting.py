@@ -18,6 +18,7 @@ host once per proposal.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -183,8 +184,17 @@ class DynamicTreeDrafter(CandidateGenerator):
         graphs = self.runner.__dict__.setdefault("_draft_step_graphs", {})
         key = (id(self.buffers), d)
         if key not in graphs:
-            graphs[key] = capture(lambda: self._depth_step(d), emulate=self.runner.graphs.emulate)
-        graphs[key].replay()
+            try:
+                graphs[key] = capture(lambda: self._depth_step(d), emulate=self.runner.graphs.emulate)
+            except Exception as e:  # noqa: BLE001 - a failed capture costs speed, not correctness: say so, go eager
+                warnings.warn(f"SpecLA: capturing draft depth {d} in a CUDA graph failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); this depth is drafted eagerly (slower)", RuntimeWarning)
+                graphs[key] = None
+                self.cache.discard()          # an interrupted capture may leave nodes pending
+        if graphs[key] is None:
+            self._depth_step(d)
+        else:
+            graphs[key].replay()
 
     def propose(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> DraftTree:
         """Draft a tree after ``input_ids`` (``launch`` then ``collect``)."""
