@@ -23,7 +23,9 @@ from specla_hf.drafting import DraftOptions, DynamicTreeDrafter, GDNDrafter
 from specla_hf.gdn import GDNRunner
 
 CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
-TREE_DEFAULTS = DraftOptions(depth=6, topk=4, budget=24, threshold=0.02)
+# a tree of budget + 1 nodes is verified in a power-of-two bucket: 31 drafts + the root fill the 32-node bucket that
+# any budget over 15 pays for anyway (docs/drafter.md, tree shapes)
+TREE_DEFAULTS = DraftOptions(depth=6, topk=4, budget=31, threshold=0.02)
 
 
 @dataclass

@@ -1,0 +1,77 @@
+"""Acceptance (tau) and verify width of draft-tree shapes, for choosing the tree to verify.
+
+Greedy generation with the embedded target and its aligned drafter over held-out prompts (the eval sets), for a grid
+of (draft depth, top-k, budget, confidence threshold). tau and node counts do not depend on the device (up to
+rounding), so this runs anywhere; with ``--verify-costs`` (a ``profile_step.json`` from the GPU) it also prints the
+verify cost of each shape's node bucket, to set against tau.
+
+    python benchmarks/tau_sweep.py --eval-dir ../shared/data/eval --out docs/results/tau_sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specla_hf.cuda_graphs import tree_bucket
+from specla_hf.defaults import load_models
+from specla_hf.prompts import load_prompts
+
+EVAL_FILES = ("mt_bench.jsonl", "humaneval.jsonl", "alpaca_eval_80.jsonl")
+
+
+def shapes() -> list[dict]:
+    chains = [dict(tree=False, draft_depth=d, confidence_threshold=0.0) for d in (4, 6, 8)]
+    trees = [dict(tree=True, draft_depth=d, tree_topk=k, tree_budget=b, confidence_threshold=t)
+             for d, k, b, t in itertools.product((4, 6, 8), (2, 4), (16, 24, 32), (0.0, 0.02, 0.05))
+             if b <= k + k * k * (d - 1)]                 # no more budget than the drafter proposes
+    return chains + trees
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--eval-dir", type=Path, required=True)
+    ap.add_argument("--per-set", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--verify-costs", type=Path, default=None, help="profile_step.json (verify_N in ms)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    models = load_models(device="cpu", dtype="float32")
+    target, drafter, tok = models.target, models.drafter, models.tokenizer
+    target.generation_config.eos_token_id = None
+    texts = [text for f in EVAL_FILES for _, text in load_prompts(args.eval_dir / f)[:args.per_set]]
+    prompts = [tok(t, return_tensors="pt") for t in texts]
+    costs = json.loads(args.verify_costs.read_text()) if args.verify_costs else {}
+    rows = []
+    for shape in tqdm(shapes(), desc="tree shapes"):
+        taus, nodes = [], []
+        for p in prompts:
+            target.generate(**p, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=drafter,
+                            **shape)
+            st = target.specla_stats
+            taus.append(st.tau)
+            nodes.append(sum(st.draft_nodes) / st.steps)
+        row = {**shape, "tau": statistics.mean(taus), "nodes_per_step": statistics.mean(nodes)}
+        bucket = tree_bucket(round(row["nodes_per_step"]) + 1)
+        if f"verify_{bucket}" in costs:
+            row["verify_ms_at_bucket"] = costs[f"verify_{bucket}"]
+        rows.append(row)
+    if args.out:
+        args.out.write_text(json.dumps({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                                        "rows": rows}, indent=1))
+    print("| drafting | depth | top-k | budget | threshold | tau | nodes / step |")
+    print("|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: -r["tau"]):
+        kind = "tree" if r["tree"] else "chain"
+        print(f"| {kind} | {r['draft_depth']} | {r.get('tree_topk', 1)} | {r.get('tree_budget', r['draft_depth'])} | "
+              f"{r['confidence_threshold']} | {r['tau']:.2f} | {r['nodes_per_step']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
