@@ -12,6 +12,16 @@ torch.set_num_threads(1)
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
 
+# model variants every runner test covers (``tiny_gdn`` keyword arguments)
+VARIANTS = {
+    "base": {},
+    "gva": dict(heads=2, v_heads=4),
+    "no_conv": dict(conv=False),
+    "no_gate": dict(gate=False),
+    "neg_eig": dict(neg_eig=True),
+}
+
+
 def tiny_gdn(seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 2, head_dim: int = 16,
              v_heads: int | None = None, vocab: int = 97, conv: bool = True, gate: bool = True,
              neg_eig: bool = False, fuse_norm: bool = True, dtype=torch.float32) -> GatedDeltaNetForCausalLM:

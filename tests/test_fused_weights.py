@@ -10,18 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import tiny_gdn
+from conftest import VARIANTS, tiny_gdn
 from specla_hf.gdn import GDNRunner, fuse_mixer_weights
 from specla_kernels.reference import chain_parents
 
-SHAPES = {
-    "base": {},
-    "gva": dict(heads=2, v_heads=4),
-    "no_conv": dict(conv=False),
-    "no_gate": dict(gate=False),
-    "neg_eig": dict(neg_eig=True),
-    "conv_bias": {},
-}
+SHAPES = {**VARIANTS, "conv_bias": {}}
 
 
 def make_model(name: str, seed: int = 11):

@@ -2,19 +2,12 @@
 import pytest
 import torch
 
-from conftest import tiny_gdn
+from conftest import VARIANTS, tiny_gdn
 from specla_hf.gdn import GDNRunner
 from specla_kernels.reference import chain_parents, tree_ancestors
 from test_reference import random_parents
 
-SHAPES = {
-    "base": {},
-    "gva": dict(heads=2, v_heads=4),
-    "no_conv": dict(conv=False),
-    "no_gate": dict(gate=False),
-    "neg_eig": dict(neg_eig=True),
-    "unfused_norm": dict(fuse_norm=False, layers=3, hidden=48, head_dim=8, heads=3),
-}
+SHAPES = {**VARIANTS, "unfused_norm": dict(fuse_norm=False, layers=3, hidden=48, head_dim=8, heads=3)}
 
 
 @pytest.mark.parametrize("name", SHAPES)
