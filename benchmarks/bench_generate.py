@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 
 import specla_hf
-from fla.models import GatedDeltaNetConfig
 from specla_hf.autoregressive import autoregressive_decode
 from specla_hf.defaults import load_models
 from specla_hf.gdn import GDNRunner
-from specla_hf.inflate import inflate_drafter, inflate_gdn
+from specla_hf.inflate import inflate_pair
 
 METHODS = {   # name -> generate() keywords (None: our CUDA-graph AR; "hf": stock generate)
     "hf_generate": "hf",
@@ -186,13 +185,6 @@ def fp32_equality(target, drafter, tok, texts, n_new, hf_prompts: int = 3):
     return {"prompts": len(texts), "identical": same, "ar_equals_stock_hf": f"{ar_hf}/{min(hf_prompts, len(texts))}"}
 
 
-def large_config(small) -> GatedDeltaNetConfig:
-    """fla's default GDN config (the 1.3B shape) with the small target's vocabulary and special tokens."""
-    c = small.config
-    return GatedDeltaNetConfig(vocab_size=c.vocab_size, bos_token_id=c.bos_token_id, eos_token_id=None,
-                               pad_token_id=c.pad_token_id)
-
-
 def check_kernels(meta: dict) -> None:
     """The Triton tree kernels against their torch reference on this GPU; on failure use the reference path (still
     inside CUDA graphs) and record why, rather than benchmark wrong numbers."""
@@ -255,15 +247,13 @@ def main():
 
     # the 1.3B shape first: it is the headline, and a run cut short keeps it
     if "large" in stages:
-        large = inflate_gdn(target, large_config(target), device=args.device, dtype=target.dtype)
+        # an aligned drafter is inflated beside the target: it drafts what it drafts for the small target, at the
+        # cost of a drafter of the large width
+        large, large_drafter = inflate_pair(target, drafter)
         large.generation_config.eos_token_id = None
         n_params = sum(p.numel() for p in large.parameters())
         meta["large_params"] = n_params
         label = f"inflated 1.3B shape ({n_params / 1e9:.2f}B)"
-        # a token-only drafter serves the inflated target as is; an aligned drafter is inflated beside it (it then
-        # drafts what it drafts for the small target, at the cost of a drafter of the large width)
-        large_drafter = (inflate_drafter(drafter, target, large) if getattr(drafter, "is_specla_drafter", False)
-                         else drafter)
         meta["large_drafter_params"] = sum(p.numel() for p in large_drafter.parameters())
         meta["large_drafter"] = type(large_drafter).__name__
         results[label] = bench_target("large", large, large_drafter, tok, prompts, args.max_new_tokens,
@@ -282,9 +272,7 @@ def main():
         log("fp32 equality:", meta["fp32_equality"])
         save()
     if "fp32-large" in stages:
-        large = inflate_gdn(small.target, large_config(small.target), device=args.device, dtype=torch.float32)
-        large_drafter = (inflate_drafter(small.drafter, small.target, large)
-                         if getattr(small.drafter, "is_specla_drafter", False) else small.drafter)
+        large, large_drafter = inflate_pair(small.target, small.drafter)
         meta["fp32_equality_large"] = fp32_equality(large, large_drafter, tok, texts[:5], 64)
         log("fp32 equality (1.3B shape):", meta["fp32_equality_large"])
     save()

@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 
 import specla_hf  # noqa: F401  (registers the drafter classes)
-from fla.models import GatedDeltaNetConfig
 from specla_hf.defaults import load_models
 from specla_hf.eagle import _BlockRunner
 from specla_hf.gdn import GDNRunner
-from specla_hf.inflate import inflate_drafter, inflate_gdn
+from specla_hf.inflate import inflate_pair
 
 
 def cuda_ms(fn, reps: int = 50, warmup: int = 5) -> float:
@@ -76,10 +75,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     models = load_models(device="cuda", dtype="bfloat16")
     small, small_drafter = models.target, models.drafter
-    cfg = GatedDeltaNetConfig(vocab_size=small.config.vocab_size, bos_token_id=small.config.bos_token_id,
-                              eos_token_id=None, pad_token_id=small.config.pad_token_id)
-    big = inflate_gdn(small, cfg, device="cuda", dtype=torch.bfloat16)
-    drafter = inflate_drafter(small_drafter, small, big)
+    big, drafter = inflate_pair(small, small_drafter)
+    cfg = big.config
     weight_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
     res = {"params": sum(p.numel() for p in big.parameters()), "weight_bytes": weight_bytes,
            "drafter_params": sum(p.numel() for p in drafter.parameters())}

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from fla.modules.activations import swiglu
 from specla_kernels.reference import conv_sequence_ref, gdn_gate, recurrent_gated_delta_rule_ref
 
 _MODE = {"modules": "auto", "delta_rule": "auto"}
@@ -170,10 +171,20 @@ def _conv_forward(self, x, residual=None, mask=None, cache=None, output_final_st
     return y, (window if output_final_state else None)
 
 
+def gated_mlp_down(mlp, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A swish fla ``GatedMLP``'s activation and down projection from its gate and up projections (for callers that
+    compute those themselves, e.g. as one fused GEMM): torch where the torch path is chosen, fla's SwiGLU otherwise."""
+    if _torch_wanted("modules", gate):
+        return mlp.down_proj(F.silu(gate) * up)
+    if mlp.fuse_swiglu:
+        return mlp.swiglu_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
+    return mlp.down_proj(swiglu(gate, up))
+
+
 def _mlp_forward(self, x, **_):
     if self.hidden_act != "swish":
         raise NotImplementedError(f"torch GatedMLP path supports hidden_act='swish', not {self.hidden_act!r}")
-    return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    return gated_mlp_down(self, self.gate_proj(x), self.up_proj(x))
 
 
 def _cross_entropy_forward(self, logits, target):

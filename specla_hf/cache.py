@@ -110,21 +110,17 @@ class SpecLACache(Cache):
                            [l.g for l in layers], self.parents, accepted)
         if layers[0].window is not None:
             ops.commit_windows_([l.x for l in layers], [l.window for l in layers], self.parents, accepted)
-        for layer in layers:
-            layer.drop_pending()
-        if path_length is not None:
-            self.seq_length += path_length
-            self.parents = self.parents[:, :0]
-            return
-        depth = tree_depth(tree_ancestors(self.parents))
-        # batch 1 is what the decoding loop drives; for B > 1 every sequence must accept the same count
-        path_len = torch.where(accepted >= 0, depth.gather(1, accepted.clamp(min=0)[:, None])[:, 0] + 1, 0)
-        lengths = set(path_len.tolist())
-        if len(lengths) != 1:
-            raise ValueError(f"sequences accepted paths of different lengths {sorted(lengths)}; SpecLACache tracks "
-                             "one sequence length per cache")
-        self.seq_length += lengths.pop()
-        self.parents = self.parents[:, :0]
+        if path_length is None:
+            depth = tree_depth(tree_ancestors(self.parents))
+            # batch 1 is what the decoding loop drives; for B > 1 every sequence must accept the same count
+            path_len = torch.where(accepted >= 0, depth.gather(1, accepted.clamp(min=0)[:, None])[:, 0] + 1, 0)
+            lengths = set(path_len.tolist())
+            if len(lengths) != 1:
+                raise ValueError(f"sequences accepted paths of different lengths {sorted(lengths)}; SpecLACache "
+                                 "tracks one sequence length per cache")
+            path_length = lengths.pop()
+        self.discard()
+        self.seq_length += path_length
 
     def advance(self, num_tokens: int) -> None:
         """Record ``num_tokens`` consumed straight into the committed state (prefill / autoregressive steps)."""

@@ -107,13 +107,14 @@ class GraphedForward:
             from specla_kernels import ops
             g.accepted = torch.full((1,), -1, dtype=torch.long, device=g.parents.device)
             parents, factors = g.pending
+            k_hats, us, gs, xs = (list(per_layer) for per_layer in zip(*factors))
             states = [layer.state for layer in cache.layers]
             windows = [layer.window for layer in cache.layers]
 
             def commit_all():
-                ops.commit_states_(states, *[list(f) for f in zip(*factors)][:3], parents, g.accepted)
+                ops.commit_states_(states, k_hats, us, gs, parents, g.accepted)
                 if windows[0] is not None:
-                    ops.commit_windows_([f[3] for f in factors], windows, parents, g.accepted)
+                    ops.commit_windows_(xs, windows, parents, g.accepted)
             # captured with accepted = -1: the warm-up run inside `capture` then commits nothing
             try:
                 g.commit = capture(commit_all, emulate=self.emulate)

@@ -114,9 +114,14 @@ def speculative_decode(
         drafter.add_features(out.hidden_states)
         stats.target_calls += 1
     prompt_len = input_ids.shape[1]
-    launched = time.perf_counter()
-    drafter.launch(input_ids, max_depth=max_length - input_ids.shape[1] - 1)
-    launch_s = time.perf_counter() - launched
+
+    def launch(ids: torch.LongTensor) -> float:
+        """Queue the proposal after ``ids`` on the device; its host time."""
+        t = time.perf_counter()
+        drafter.launch(ids, max_depth=max_length - ids.shape[1] - 1)
+        return time.perf_counter() - t
+
+    launch_s = launch(input_ids)
     while True:
         t0 = time.perf_counter()
         tree = drafter.collect()
@@ -142,12 +147,10 @@ def speculative_decode(
         # the next proposal goes to the device now, so the GPU drafts while the host checks the stopping criteria
         # (if one fires, that proposal is dropped)
         grown = torch.cat([input_ids, input_ids.new_tensor([emitted])], 1)
-        launched = time.perf_counter()
-        drafter.launch(grown, max_depth=max_length - grown.shape[1] - 1)
-        launch_s = time.perf_counter() - launched
+        launch_s = launch(grown)
         # emit up to the first token after which EOS / max_length / any stopping criterion fires, exactly where plain
         # decoding would stop
-        stop = _stop_after(stopping_criteria, input_ids, emitted)
+        stop = _stop_after(stopping_criteria, grown, input_ids.shape[1])
         added = len(emitted) if stop is None else stop
         input_ids = grown[:, :input_ids.shape[1] + added]
         if keep_scores:
@@ -166,14 +169,14 @@ def speculative_decode(
 STATELESS_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
 
 
-def _stop_after(stopping_criteria: StoppingCriteriaList, input_ids: torch.LongTensor, emitted: list[int]) -> int | None:
-    """How many of ``emitted`` to append: up to and including the first after which a criterion fires (None: none).
+def _stop_after(stopping_criteria: StoppingCriteriaList, grown: torch.LongTensor, first_new: int) -> int | None:
+    """How many of ``grown``'s tokens from ``first_new`` on to keep: up to and including the first after which a
+    criterion fires (None: none fires).
 
     Stateless criteria are evaluated on every prefix and read back with one host sync; others (user criteria may
     keep state) are called prefix by prefix, in order, stopping at the first that fires, as plain decoding calls them.
     """
-    new = input_ids.new_tensor([emitted])
-    prefixes = (torch.cat([input_ids, new[:, :j + 1]], 1) for j in range(len(emitted)))
+    prefixes = (grown[:, :n] for n in range(first_new + 1, grown.shape[1] + 1))
     if all(isinstance(c, STATELESS_CRITERIA) for c in stopping_criteria):
         flags = torch.stack([stopping_criteria(p, None).any() for p in prefixes]).tolist()
     else:

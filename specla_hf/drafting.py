@@ -142,10 +142,6 @@ class DynamicTreeDrafter(CandidateGenerator):
     def add_nodes(self, first: int, parents: torch.Tensor) -> None:
         """Write the inputs, other than tokens and parents, of the new nodes ``first..first+len(parents)``."""
 
-    def finish(self, accepted_tokens: list[int]) -> None:
-        """The target accepted ``accepted_tokens`` after the pending token: roll the drafter's state forward."""
-        raise NotImplementedError
-
     def add_features(self, features: tuple[torch.Tensor, ...]) -> None:
         """Target hidden states (one ``[1, n, hidden]`` per feature layer) of the ``n`` positions the target just
         committed, in order. Only target-aligned drafters (``feature_layers`` set) use them."""
@@ -268,9 +264,9 @@ class DynamicTreeDrafter(CandidateGenerator):
         return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(logps))
 
     def observe(self, accepted_tokens: list[int]) -> None:
-        """After verification: roll the drafter forward and adapt threshold and depth."""
+        """After verification: adapt threshold and depth to how many drafts were accepted. (Drafters keep nothing
+        pending between steps: the next ``start`` consumes the accepted tokens.)"""
         tree = self.last_tree
-        self.finish(accepted_tokens)
         if self.options.adaptive and tree is not None and len(tree) > 1:
             self.calibration.update(tree.log_probs[1:].exp().sum().item(), len(accepted_tokens))
             full = len(accepted_tokens) >= max(self.depth - 1, 1)
@@ -318,6 +314,3 @@ class GDNDrafter(DynamicTreeDrafter):
         out = self.runner._forward(b.tokens[None, :n], self.cache, b.parents[None, :n], None, ())
         self.cache.discard()
         return torch.log_softmax(out.logits[0].float(), -1)
-
-    def finish(self, accepted_tokens: list[int]) -> None:
-        pass                                 # nothing pending: the accepted tokens are consumed by the next start()

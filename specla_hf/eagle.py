@@ -228,8 +228,8 @@ class EagleDrafter(DynamicTreeDrafter):
     The drafter's committed state has consumed drafter positions ``< consumed``, always with the target's true
     features. ``start`` catches up to the root with buffered features in sequence mode and writes the root's inputs;
     ``score`` verifies the draft tree, each node fed its parent's output hidden state (``add_nodes``) in place of the
-    target's feature; ``finish`` has nothing to undo: the accepted positions get their true features from the verify
-    pass and are consumed by the next ``start`` (a re-run of the one-layer drafter, never of the target).
+    target's feature. Nothing stays pending after a step: the accepted positions get their true features from the
+    verify pass and are consumed by the next ``start`` (a re-run of the one-layer drafter, never of the target).
     """
 
     def __init__(self, drafter: SpecLADrafter, target, options: DraftOptions):
@@ -287,9 +287,6 @@ class EagleDrafter(DynamicTreeDrafter):
     def add_nodes(self, first: int, parents: torch.Tensor) -> None:
         b = self.buffers
         b.fused[0, first:first + parents.shape[0]] = b.hidden[parents]              # parents' outputs (EAGLE)
-
-    def finish(self, accepted_tokens: list[int]) -> None:
-        pass
 
 
 AutoConfig.register(SpecLADrafterConfig.model_type, SpecLADrafterConfig)

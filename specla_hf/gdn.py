@@ -25,7 +25,6 @@ import fla.layers.gated_deltanet as fla_gdn
 from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.models import GatedDeltaNetForCausalLM
 from fla.modules import GatedMLP
-from fla.modules.activations import swiglu
 from specla_hf import backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.cuda_graphs import (DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward, num_tokens,
@@ -259,8 +258,4 @@ class GDNRunner:
             return mlp(x)
         gate_up = _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
         gate, up = F.linear(x, gate_up).chunk(2, -1)        # strided halves: fla's SwiGLU reads them in place
-        if backend._torch_wanted("modules", x):
-            return mlp.down_proj(F.silu(gate) * up)
-        if mlp.fuse_swiglu:
-            return mlp.swiglu_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
-        return mlp.down_proj(swiglu(gate, up))
+        return backend.gated_mlp_down(mlp, gate, up)

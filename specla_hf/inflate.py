@@ -128,3 +128,21 @@ def inflate_drafter(drafter, small_target: GatedDeltaNetForCausalLM, big_target:
         _put(getattr(big, name).weight, getattr(drafter, name).weight * r_h)
     _inflate_block(drafter.block, big.block, r_h)
     return big.eval()
+
+
+def default_gdn_shape(small: GatedDeltaNetForCausalLM) -> GatedDeltaNetConfig:
+    """fla's default GDN config (its 1.3B shape, the paper's model size) with ``small``'s vocabulary and special
+    tokens."""
+    c = small.config
+    return GatedDeltaNetConfig(vocab_size=c.vocab_size, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+                               pad_token_id=c.pad_token_id)
+
+
+def inflate_pair(small: GatedDeltaNetForCausalLM, drafter, config: GatedDeltaNetConfig | None = None,
+                 dtype: torch.dtype | None = None):
+    """``small`` inflated (to fla's default shape unless ``config``) and the drafter to use beside it: an aligned
+    ``SpecLADrafter`` is inflated with it (``inflate_drafter``), a token-only drafter serves the inflated model as is
+    (it computes the small model's function)."""
+    big = inflate_gdn(small, config or default_gdn_shape(small), dtype=dtype)
+    big_drafter = inflate_drafter(drafter, small, big) if getattr(drafter, "is_specla_drafter", False) else drafter
+    return big, big_drafter

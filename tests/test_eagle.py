@@ -137,7 +137,6 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     buf.tokens[1], buf.parents[1] = ids[0, 8], 0                 # a depth-1 node below the root
     eagle.add_nodes(1, torch.tensor([0]))
     torch.testing.assert_close(eagle.score(2)[1], logp_deep, **tol)
-    eagle.finish([int(ids[0, 8])])
     # the target verifies the chain ids[7..10], accepts all of it, and hands over its features
     chain = torch.tensor([[-1, 0, 1, 2]])
     verify = runner.forward(ids[:, 7:11], cache, parents=chain, hidden_layers=eagle.feature_layers)

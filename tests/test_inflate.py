@@ -24,7 +24,7 @@ def test_inflated_model_matches_small_model():
 
 def test_inflated_drafter_drafts_what_the_small_drafter_drafts():
     from specla_hf import SpecLADrafter, SpecLADrafterConfig
-    from specla_hf.inflate import inflate_drafter
+    from specla_hf.inflate import inflate_pair
     small = tiny_gdn(seed=13, hidden=64, layers=3, heads=2, head_dim=16)
     torch.manual_seed(3)
     drafter = SpecLADrafter(SpecLADrafterConfig.for_target(small.config, num_heads=2, head_dim=16)).eval()
@@ -34,8 +34,7 @@ def test_inflated_drafter_drafts_what_the_small_drafter_drafts():
                 p.mul_(4.0)
     cfg = GatedDeltaNetConfig(hidden_size=160, num_hidden_layers=6, num_heads=3, head_dim=32, expand_v=2,
                               hidden_ratio=2, vocab_size=97, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    big = inflate_gdn(small, cfg)
-    big_drafter = inflate_drafter(drafter, small, big)
+    big, big_drafter = inflate_pair(small, drafter, cfg)           # the aligned drafter is inflated with it
     assert big_drafter.config.feature_layers == [0, 1, 6]        # small top layer 3 -> inflated top layer 6
     assert big_drafter.config.hidden_size == 160
     with pytest.raises(ValueError, match="does not fit"):
