@@ -8,7 +8,8 @@ median of many replays after warm-up):
 - ``draft_root`` / ``draft_expand4`` / ``draft_catchup4``: the inflated aligned drafter's calls;
 and, from one eager target step under ``torch.profiler``, the kernels it launches (count, summed GPU time): the gap
 between that sum and the graph replay is launch/dependency overhead inside the graph, the gap between the sum and the
-weight-bandwidth floor is kernel inefficiency. Writes ``--out/profile_step.json`` and prints a table last.
+weight-bandwidth floor is kernel inefficiency; and whole decoding calls (AR, SpecLA tree and chain) under the
+profiler: wall vs GPU-busy time per step and the loop's host phases (Chrome traces beside the JSON). Writes ``--out/profile_step.json`` and prints a table last.
 
     source .device/prelude.sh && export PYTHONPATH=$PWD/kernels:$PYTHONPATH && \
         python benchmarks/profile_step.py --out $OUT/profile
@@ -68,6 +69,39 @@ def kernel_profile(fn) -> dict:
             "top": [{"name": n[:90], "count": c, "ms": round(t, 4)} for n, (c, t) in top]}
 
 
+def loop_profile(fn, trace: Path) -> dict:
+    """One whole decoding call under ``torch.profiler`` (CPU and CUDA): wall time, the time the GPU was busy (union
+    of its kernel and copy intervals), the SpecLA loop's phases (``specla.*`` host ranges: where the host spends a
+    step) and the top host ops. The Chrome trace goes to ``trace`` (gzipped) for a closer look."""
+    import gzip
+    import shutil
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:                                  # union of intervals (us)
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    phases = {e.key: {"calls": e.count, "host_ms": round(e.cpu_time_total / 1e3, 3)}
+              for e in prof.key_averages() if e.key.startswith("specla.")}
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
+    return {"wall_ms": 1e3 * wall, "gpu_busy_ms": busy / 1e3, "gpu_events": len(spans), "phases": phases,
+            "top_host_ops": [{"name": e.key[:80], "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3,
+                                                                                          3)} for e in top]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -77,6 +111,7 @@ def main():
     small, small_drafter = models.target, models.drafter
     big, drafter = inflate_pair(small, small_drafter)
     cfg = big.config
+    big.generation_config.eos_token_id = None             # fixed-length loops
     weight_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
     res = {"params": sum(p.numel() for p in big.parameters()), "weight_bytes": weight_bytes,
            "drafter_params": sum(p.numel() for p in drafter.parameters())}
@@ -140,6 +175,19 @@ def main():
     res["draft_tree9"] = cuda_ms(draft_call(feats9, toks9, tree))
     res["floor_ms"] = weight_bytes / 4.2e12 * 1e3            # all weights once at the measured ~4.2 TB/s copy rate
 
+    # whole decoding calls, 48 new tokens after a 64-token prompt: where the wall time of a step goes
+    from specla_hf.autoregressive import autoregressive_decode
+    prompt = prompt[:, :64]
+    n_new = 48
+    res["loop_ar"] = loop_profile(lambda: autoregressive_decode(runner, prompt, n_new), args.out / "trace_ar.json")
+    for name, kw in (("loop_tree", dict(tree=True, confidence_threshold=0.0)),
+                     ("loop_tree_default", dict(tree=True)), ("loop_chain_default", dict(tree=False))):
+        gen_kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=n_new, do_sample=False,
+                      assistant_model=drafter, **kw)
+        res[name] = loop_profile(lambda: big.generate(prompt, **gen_kw), args.out / f"trace_{name[5:]}.json")
+        stats = big.specla_stats
+        res[name].update(steps=stats.steps, tau=stats.tau, nodes_per_step=statistics.mean(stats.draft_nodes))
+
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res["profile"], indent=1))
     print(json.dumps(res["profile_verify16"], indent=1))
@@ -150,6 +198,13 @@ def main():
     for name in ("profile", "profile_verify16"):
         p = res[name]
         print(f"| {name}: eager kernels | {p['kernels']} (summed GPU time {p['gpu_ms']:.3f} ms) |")
+    for name in ("loop_ar", "loop_tree", "loop_tree_default", "loop_chain_default"):
+        p = res[name]
+        per = p.get("steps", n_new)
+        print(f"| {name}: per step wall / GPU busy | {p['wall_ms'] / per:.3f} / {p['gpu_busy_ms'] / per:.3f} ms "
+              f"(tau {p.get('tau', 1):.2f}) |")
+        for k, v in p["phases"].items():
+            print(f"|   {k} | {v['host_ms'] / per:.3f} ms/step host |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StopStringCriteria, StoppingCriteriaList)
@@ -106,6 +107,8 @@ def speculative_decode(
     """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits)."""
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
+    # a host copy of the sequence serves the stateless stopping criteria and the streamer without waiting for the GPU
+    host_ids = input_ids.cpu()
     cache = target.new_cache(1)
     feature_layers = drafter.feature_layers            # target hidden states a target-aligned drafter reads
     if input_ids.shape[1] > 1:
@@ -121,22 +124,31 @@ def speculative_decode(
         drafter.launch(ids, max_depth=max_length - ids.shape[1] - 1)
         return time.perf_counter() - t
 
-    launch_s = launch(input_ids)
+    launch_s = launch(host_ids)
     while True:
         t0 = time.perf_counter()
-        tree = drafter.collect()
+        with record_function("specla.collect"):
+            tree = drafter.collect()
         t1 = time.perf_counter()
         stats.draft_time += launch_s + t1 - t0
-        # host tensors: the runner pads them to their bucket on the host and copies them in once
-        out = target.forward(tree.tokens[None], cache, parents=tree.parents[None], logits_positions=slice(None),
-                             hidden_layers=feature_layers)
-        logits = out.logits[0].float().to(input_ids.device)
-        node, emitted, scores = accept_path(tree, logits, input_ids, logits_processor, do_sample)
-        path = _path_nodes(tree, node)
-        target.commit(cache, node, len(path))
+        with record_function("specla.verify"):
+            # host tensors: the runner pads them to their bucket on the host and copies them in once
+            out = target.forward(tree.tokens[None], cache, parents=tree.parents[None], logits_positions=slice(None),
+                                 hidden_layers=feature_layers)
+        with record_function("specla.accept"):
+            # a copy: the verify graph's output buffer is overwritten by the next step. Plain greedy acceptance reads
+            # only each node's argmax back; sampling and logits processors work where the sequence lives
+            logits = out.logits[0].to(torch.float32, copy=True)
+            if do_sample or len(logits_processor):
+                logits = logits.to(input_ids.device)
+            node, emitted, scores = accept_path(tree, logits, input_ids, logits_processor, do_sample)
+            path = _path_nodes(tree, node)
+        with record_function("specla.commit"):
+            target.commit(cache, node, len(path))
         if feature_layers:
-            on_path = torch.tensor(path, device=target.device)
-            drafter.add_features(tuple(h.index_select(1, on_path) for h in out.hidden_states))
+            with record_function("specla.features"):
+                on_path = torch.tensor(path, device=target.device)
+                drafter.add_features(tuple(h.index_select(1, on_path) for h in out.hidden_states))
         stats.verify_time += time.perf_counter() - t1
         stats.target_calls += 1
         stats.steps += 1
@@ -146,18 +158,21 @@ def speculative_decode(
 
         # the next proposal goes to the device now, so the GPU drafts while the host checks the stopping criteria
         # (if one fires, that proposal is dropped)
-        grown = torch.cat([input_ids, input_ids.new_tensor([emitted])], 1)
-        launch_s = launch(grown)
+        grown = torch.cat([host_ids, host_ids.new_tensor([emitted])], 1)
+        with record_function("specla.launch"):
+            launch_s = launch(grown)
         # emit up to the first token after which EOS / max_length / any stopping criterion fires, exactly where plain
         # decoding would stop
-        stop = _stop_after(stopping_criteria, grown, input_ids.shape[1])
+        with record_function("specla.stop"):
+            stop = _stop_after(stopping_criteria, grown, input_ids.shape[1], input_ids.device)
         added = len(emitted) if stop is None else stop
-        input_ids = grown[:, :input_ids.shape[1] + added]
+        host_ids = grown[:, :host_ids.shape[1] + added]
+        input_ids = torch.cat([input_ids, host_ids[:, -added:].to(input_ids.device)], 1)
         if keep_scores:
             all_scores += scores[:added]
             all_logits += [logits[n:n + 1] for n in path[:added]]
         if streamer is not None:
-            streamer.put(input_ids[:, -added:].cpu())
+            streamer.put(host_ids[:, -added:])
         if stop is not None:
             break
     stats.new_tokens = input_ids.shape[1] - prompt_len
@@ -169,17 +184,21 @@ def speculative_decode(
 STATELESS_CRITERIA = (MaxLengthCriteria, EosTokenCriteria, StopStringCriteria, MaxTimeCriteria)
 
 
-def _stop_after(stopping_criteria: StoppingCriteriaList, grown: torch.LongTensor, first_new: int) -> int | None:
-    """How many of ``grown``'s tokens from ``first_new`` on to keep: up to and including the first after which a
-    criterion fires (None: none fires).
+def _stop_after(stopping_criteria: StoppingCriteriaList, grown: torch.LongTensor, first_new: int,
+                device: torch.device) -> int | None:
+    """How many of ``grown``'s (host) tokens from ``first_new`` on to keep: up to and including the first after which
+    a criterion fires (None: none fires).
 
-    Stateless criteria are evaluated on every prefix and read back with one host sync; others (user criteria may
-    keep state) are called prefix by prefix, in order, stopping at the first that fires, as plain decoding calls them.
+    Stateless criteria are evaluated on every prefix on the host, without waiting for the GPU; others (user criteria
+    may keep state, and expect the sequence where generate() put it) are called on ``device``, prefix by prefix, in
+    order, stopping at the first that fires, as plain decoding calls them.
     """
-    prefixes = (grown[:, :n] for n in range(first_new + 1, grown.shape[1] + 1))
     if all(isinstance(c, STATELESS_CRITERIA) for c in stopping_criteria):
+        prefixes = (grown[:, :n] for n in range(first_new + 1, grown.shape[1] + 1))
         flags = torch.stack([stopping_criteria(p, None).any() for p in prefixes]).tolist()
     else:
+        grown = grown.to(device)
+        prefixes = (grown[:, :n] for n in range(first_new + 1, grown.shape[1] + 1))
         flags = []
         for p in prefixes:
             flags.append(bool(stopping_criteria(p, None).any()))

@@ -80,6 +80,21 @@ class DraftBuffers:
         self.cand_parent = torch.full((depth, K * K), -1, dtype=torch.long, device=device)
         self.frontier_score = torch.zeros(depth + 1, K, device=device)      # cumulative log-prob per frontier node
         self.frontier_cand = torch.full((depth + 1, K), -1, dtype=torch.long, device=device)  # its candidate index
+        # each depth's best candidate score, read back (pinned host memory + an event on CUDA) for early stopping
+        self.best = torch.empty(depth, pin_memory=device.type == "cuda")
+        self.best_ready = [torch.cuda.Event() if device.type == "cuda" else None for _ in range(depth)]
+
+    def queue_best(self, d: int) -> None:
+        """Start reading depth ``d``'s best candidate score back to the host (``read_best``)."""
+        self.best[d - 1:d].copy_(self.cand_score[d - 1].max().view(1), non_blocking=True)
+        if self.best_ready[d - 1] is not None:
+            self.best_ready[d - 1].record()
+
+    def read_best(self, d: int) -> float:
+        """Depth ``d``'s best candidate score; waits for depth ``d`` only, not for work queued after it."""
+        if self.best_ready[d - 1] is not None:
+            self.best_ready[d - 1].synchronize()
+        return float(self.best[d - 1])
 
     def reset(self) -> None:
         """Padding slots must stay inert (children of the committed state) whatever an earlier proposal wrote."""
@@ -200,8 +215,10 @@ class DynamicTreeDrafter(CandidateGenerator):
     @torch.no_grad()
     def launch(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> None:
         """Start a proposal: ``start``, then one ``_depth_step`` per depth, queued on the device without host round
-        trips, so the host is free until ``collect``. With a confidence threshold one scalar per depth is read back,
-        to stop once no candidate of a depth clears it."""
+        trips, so the host is free until ``collect``. With a confidence threshold drafting stops once no candidate of
+        a depth clears it: each depth's best score is read back one depth late (the host waits for depth ``d - 1``
+        while depth ``d`` runs), and the extra depth costs nothing in the tree: its candidates score no higher than
+        their parents, so ``collect`` prunes them all."""
         threshold = self.threshold
         log_threshold = _log(threshold)
         depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
@@ -213,8 +230,10 @@ class DynamicTreeDrafter(CandidateGenerator):
         for d in range(1, depth_limit + 1):
             self._run_depth(d)
             depths = d
-            if threshold > 0 and float(self.buffers.cand_score[d - 1].max()) < log_threshold:
-                break
+            if threshold > 0:
+                if d > 1 and self.buffers.read_best(d - 1) < log_threshold:
+                    break
+                self.buffers.queue_best(d)
         self._launched = (input_ids[0, -1:], depths, log_threshold)
 
     def collect(self) -> DraftTree:

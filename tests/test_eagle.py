@@ -15,6 +15,7 @@ from transformers import TopKLogitsWarper
 import test_generate
 from conftest import tiny_gdn
 from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig
+from specla_hf.drafting import DraftBuffers
 from specla_hf.eagle import EagleDrafter
 from specla_hf.generation import draft_options
 
@@ -223,6 +224,32 @@ def test_pruning_never_submits_a_node_under_the_threshold(target):
     assert sum(p for _, _, p in seen) > 0                       # candidates were pruned ...
     assert max(len(tree) for _, tree, _ in seen) > 2            # ... and confident ones kept, some past depth 1
     assert any(int(tree.parents.max()) > 0 for _, tree, _ in seen)
+
+
+def test_early_stop_read_one_depth_late_gives_the_tree_of_drafting_every_depth(target, monkeypatch):
+    drafter = make_drafter(target, seed=9)
+    with torch.no_grad():
+        drafter.norm.weight.mul_(12.0)
+    options = draft_options(tree=True, tree_topk=3, tree_budget=20, draft_depth=6, confidence_threshold=0.1,
+                            adaptive_drafting=False)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
+
+    def draft_all() -> tuple[list, list[int]]:
+        eagle, trees, depths = EagleDrafter(drafter, target, options), [], []
+        for n in range(2, ids.shape[1] + 1):
+            eagle.add_features(tuple(torch.randn(1, 1, target.config.hidden_size, generator=torch.Generator()
+                                                 .manual_seed(n)) for _ in eagle.feature_layers))
+            trees.append(eagle.propose(ids[:, :n]))
+            depths.append(eagle._launched[1])
+        return trees, depths
+
+    early, early_depths = draft_all()
+    monkeypatch.setattr(DraftBuffers, "read_best", lambda self, d: float("inf"))     # never stop: every depth
+    full, full_depths = draft_all()
+    assert sum(e < f for e, f in zip(early_depths, full_depths)) > 0               # the early stop fired
+    assert any(len(t) > 2 for t in early)
+    for a, b in zip(early, full):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
 
 
 # ---------------------------------------------------------------------------------------------------------------
