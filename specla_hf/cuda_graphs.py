@@ -33,6 +33,24 @@ def pad_tokens(inputs, pad: int):
     return tree_map(lambda x: torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1), inputs)
 
 
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` that does not stall the host when ``src`` is a host tensor and ``dst`` a CUDA one: a plain
+    copy from pageable memory synchronises the stream (the host waits for all queued GPU work); from pinned memory
+    it is queued like a kernel (PyTorch's pinned allocator keeps the staging block alive until the copy ran)."""
+    if dst.is_cuda and not src.is_cuda:
+        src = src.pin_memory()
+        dst.copy_(src, non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t.to(device)`` without stalling the host for a host-to-GPU copy (see ``copy_in``)."""
+    if device.type == "cuda" and not t.is_cuda:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def tree_bucket(n: int) -> int:
     """Smallest power of two >= n (so a handful of graphs serve every tree size)."""
     return 1 << max(0, (n - 1).bit_length())
@@ -78,9 +96,9 @@ class GraphedForward:
             self.graphs[key] = self._capture(inputs, cache, parents, logits_positions, hidden_layers)
         g = self.graphs[key]
         for buf, x in zip(tree_flatten(g.inputs)[0], tree_flatten(inputs)[0]):
-            buf.copy_(x)
+            copy_in(buf, x)
         if parents is not None:
-            g.parents.copy_(parents)
+            copy_in(g.parents, parents)
             if g.prefix is not None:
                 prefix_parents, prefix_factors = g.prefix
                 prefix_parents.copy_(cache.parents)
@@ -116,12 +134,7 @@ class GraphedForward:
                 if windows[0] is not None:
                     ops.commit_windows_(xs, windows, parents, g.accepted)
             # captured with accepted = -1: the warm-up run inside `capture` then commits nothing
-            try:
-                g.commit = capture(commit_all, emulate=self.emulate)
-            except Exception as e:  # noqa: BLE001 - a failed capture costs speed, not correctness: say so, go eager
-                warnings.warn(f"SpecLA: capturing the commit in a CUDA graph failed ({type(e).__name__}: "
-                              f"{str(e)[:200]}); committing eagerly (slower)", RuntimeWarning)
-                g.commit = False
+            g.commit = capture_or_warn(commit_all, "the commit", "committing eagerly", self.emulate) or False
         if g.commit is False:
             return False
         g.accepted.fill_(accepted)
@@ -189,6 +202,17 @@ def capture(fn, emulate: bool = False):
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def capture_or_warn(fn, what: str, fallback: str, emulate: bool = False):
+    """``capture(fn)``, or ``None`` with a warning if capturing fails: a failed capture costs speed, not correctness
+    (the caller runs ``fn``'s work eagerly instead)."""
+    try:
+        return capture(fn, emulate=emulate)
+    except Exception as e:  # noqa: BLE001 - any capture failure: say so, go eager
+        warnings.warn(f"SpecLA: capturing {what} in a CUDA graph failed ({type(e).__name__}: {str(e)[:200]}); "
+                      f"{fallback} (slower)", RuntimeWarning)
+        return None
 
 
 class EmulatedGraph:

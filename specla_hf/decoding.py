@@ -14,6 +14,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StopStringCriteria, StoppingCriteriaList)
 
+from specla_hf.cuda_graphs import to_device
 from specla_hf.drafting import DraftTree, DynamicTreeDrafter
 from specla_hf.gdn import GDNRunner
 
@@ -49,8 +50,9 @@ class SpecLAStats:
                 f"verify {self.verify_time:.2f}s")
 
 
-def accept_path(tree: DraftTree, logits: torch.Tensor, context: torch.LongTensor,
-                logits_processor: LogitsProcessorList, do_sample: bool) -> tuple[int, list[int], list[torch.Tensor]]:
+def accept_path(tree: DraftTree, logits: torch.Tensor | None, context: torch.LongTensor,
+                logits_processor: LogitsProcessorList, do_sample: bool,
+                argmax: list[int] | None = None) -> tuple[int, list[int], list[torch.Tensor]]:
     """Walk the tree from the root with the target's (processed) distributions; lossless for greedy and sampling.
 
     Greedy: follow the child equal to the target's argmax. Sampling: the children of a node are candidates chosen
@@ -58,33 +60,39 @@ def accept_path(tree: DraftTree, logits: torch.Tensor, context: torch.LongTensor
     ``p(x) = 0`` and renormalise; if all fail, the bonus token is sampled from what is left of ``p``. This reproduces
     plain sampling from ``p`` exactly. ``p`` is the target's distribution after the same logits processors plain
     decoding applies, evaluated on the node's own context.
+    ``argmax``: every node's argmax, given for plain greedy decoding (no logits processors), which then reads
+    ``logits`` only to return them as scores (``None``: no scores).
     Returns (last accepted node, emitted tokens = accepted drafts + bonus, processed scores per emitted token).
     """
     node, emitted, scores = 0, [], []
     tokens = tree.tokens.tolist()
     ctx = context
     processed = len(logits_processor) > 0
-    # plain greedy: every node's argmax in one host transfer instead of one per accepted node
-    argmax = None if do_sample or processed else logits.argmax(-1).tolist()
     while True:
-        score = logits[node:node + 1]
-        if processed:
-            score = logits_processor(ctx, score.clone())
-        scores.append(score)
         kids = tree.children[node]
-        if not do_sample:
-            choice = argmax[node] if argmax is not None else int(score.argmax(-1))
+        if argmax is not None:
+            choice = argmax[node]
+            if logits is not None:
+                scores.append(logits[node:node + 1])
             nxt = next((c for c in kids if tokens[c] == choice), None)
         else:
-            p = torch.softmax(score[0], -1)
-            nxt = None
-            for c in kids:
-                if torch.rand(()) < p[tokens[c]]:
-                    nxt = c
-                    break
-                p[tokens[c]] = 0
-                p = p / p.sum()
-            choice = tokens[nxt] if nxt is not None else int(torch.multinomial(p, 1))
+            score = logits[node:node + 1]
+            if processed:
+                score = logits_processor(ctx, score.clone())
+            scores.append(score)
+            if not do_sample:
+                choice = int(score.argmax(-1))
+                nxt = next((c for c in kids if tokens[c] == choice), None)
+            else:
+                p = torch.softmax(score[0], -1)
+                nxt = None
+                for c in kids:
+                    if torch.rand(()) < p[tokens[c]]:
+                        nxt = c
+                        break
+                    p[tokens[c]] = 0
+                    p = p / p.sum()
+                choice = tokens[nxt] if nxt is not None else int(torch.multinomial(p, 1))
         emitted.append(choice)
         if nxt is None:
             return node, emitted, scores
@@ -107,8 +115,11 @@ def speculative_decode(
     """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits)."""
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
-    # a host copy of the sequence serves the stateless stopping criteria and the streamer without waiting for the GPU
+    # the sequence grows on the host: the default stopping criteria, the streamer and the drafter read it there, and
+    # nothing in a greedy step waits for the GPU but the draft and the verify results
+    device = input_ids.device
     host_ids = input_ids.cpu()
+    plain = not do_sample and not len(logits_processor)
     cache = target.new_cache(1)
     feature_layers = drafter.feature_layers            # target hidden states a target-aligned drafter reads
     if input_ids.shape[1] > 1:
@@ -136,19 +147,19 @@ def speculative_decode(
             out = target.forward(tree.tokens[None], cache, parents=tree.parents[None], logits_positions=slice(None),
                                  hidden_layers=feature_layers)
         with record_function("specla.accept"):
-            # a copy: the verify graph's output buffer is overwritten by the next step. Plain greedy acceptance reads
-            # only each node's argmax back; sampling and logits processors work where the sequence lives
-            logits = out.logits[0].to(torch.float32, copy=True)
-            if do_sample or len(logits_processor):
-                logits = logits.to(input_ids.device)
-            node, emitted, scores = accept_path(tree, logits, input_ids, logits_processor, do_sample)
+            # logits are copied (the verify graph's output buffer is overwritten next step) only where they are used:
+            # plain greedy reads back each node's argmax, no more; sampling and logits processors run on ``device``
+            # with the sequence there, as in plain decoding
+            logits = (out.logits[0].to(device, torch.float32, copy=True) if keep_scores or not plain else None)
+            argmax = out.logits[0].argmax(-1).tolist() if plain else None
+            context = None if plain else to_device(host_ids, device)
+            node, emitted, scores = accept_path(tree, logits, context, logits_processor, do_sample, argmax)
             path = _path_nodes(tree, node)
         with record_function("specla.commit"):
             target.commit(cache, node, len(path))
         if feature_layers:
             with record_function("specla.features"):
-                on_path = torch.tensor(path, device=target.device)
-                drafter.add_features(tuple(h.index_select(1, on_path) for h in out.hidden_states))
+                drafter.add_features(out.hidden_states, path)
         stats.verify_time += time.perf_counter() - t1
         stats.target_calls += 1
         stats.steps += 1
@@ -164,10 +175,9 @@ def speculative_decode(
         # emit up to the first token after which EOS / max_length / any stopping criterion fires, exactly where plain
         # decoding would stop
         with record_function("specla.stop"):
-            stop = _stop_after(stopping_criteria, grown, input_ids.shape[1], input_ids.device)
+            stop = _stop_after(stopping_criteria, grown, host_ids.shape[1], device)
         added = len(emitted) if stop is None else stop
         host_ids = grown[:, :host_ids.shape[1] + added]
-        input_ids = torch.cat([input_ids, host_ids[:, -added:].to(input_ids.device)], 1)
         if keep_scores:
             all_scores += scores[:added]
             all_logits += [logits[n:n + 1] for n in path[:added]]
@@ -175,9 +185,9 @@ def speculative_decode(
             streamer.put(host_ids[:, -added:])
         if stop is not None:
             break
-    stats.new_tokens = input_ids.shape[1] - prompt_len
+    stats.new_tokens = host_ids.shape[1] - prompt_len
     stats.total_time = time.perf_counter() - start
-    return input_ids, stats, all_scores, all_logits
+    return host_ids.to(device), stats, all_scores, all_logits
 
 
 # transformers' criteria that look at nothing but the sequence they are given (and the clock)
@@ -189,10 +199,18 @@ def _stop_after(stopping_criteria: StoppingCriteriaList, grown: torch.LongTensor
     """How many of ``grown``'s (host) tokens from ``first_new`` on to keep: up to and including the first after which
     a criterion fires (None: none fires).
 
-    Stateless criteria are evaluated on every prefix on the host, without waiting for the GPU; others (user criteria
-    may keep state, and expect the sequence where generate() put it) are called on ``device``, prefix by prefix, in
-    order, stopping at the first that fires, as plain decoding calls them.
+    Stateless criteria are evaluated on every prefix on the host, without waiting for the GPU (generate()'s default
+    pair, max length and EOS, straight from their definitions: calling them costs ~10 launches of host time per
+    prefix); others (user criteria may keep state, and expect the sequence where generate() put it) are called on
+    ``device``, prefix by prefix, in order, stopping at the first that fires, as plain decoding calls them.
     """
+    if all(isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria):
+        max_length = min((c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)),
+                         default=None)
+        eos = set().union(*(_eos_ids(c) for c in stopping_criteria if isinstance(c, EosTokenCriteria)))
+        new = grown[0, first_new:].tolist()
+        return next((j + 1 for j, token in enumerate(new)
+                     if token in eos or (max_length is not None and first_new + j + 1 >= max_length)), None)
     if all(isinstance(c, STATELESS_CRITERIA) for c in stopping_criteria):
         prefixes = (grown[:, :n] for n in range(first_new + 1, grown.shape[1] + 1))
         flags = torch.stack([stopping_criteria(p, None).any() for p in prefixes]).tolist()
@@ -205,6 +223,14 @@ def _stop_after(stopping_criteria: StoppingCriteriaList, grown: torch.LongTensor
             if flags[-1]:
                 break
     return next((j + 1 for j, hit in enumerate(flags) if hit), None)
+
+
+def _eos_ids(criterion: EosTokenCriteria) -> set[int]:
+    """An EOS criterion's token ids as a host set, read once per criterion (its tensor may live on the GPU)."""
+    ids = criterion.__dict__.get("_specla_eos")
+    if ids is None:
+        ids = criterion.__dict__["_specla_eos"] = set(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
+    return ids
 
 
 def _path_nodes(tree: DraftTree, node: int) -> list[int]:

@@ -18,13 +18,12 @@ host once per proposal.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from specla_hf.cuda_graphs import MAX_TREE_BUCKET, capture, tree_bucket
+from specla_hf.cuda_graphs import MAX_TREE_BUCKET, capture_or_warn, copy_in, tree_bucket
 
 
 @dataclass
@@ -75,13 +74,14 @@ class DraftBuffers:
         self.capacity = tree_bucket(1 + K * depth)
         self.tokens = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.parents = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
-        self.cand_score = torch.full((depth, K * K), float("-inf"), device=device)
-        self.cand_token = torch.zeros(depth, K * K, dtype=torch.long, device=device)
-        self.cand_parent = torch.full((depth, K * K), -1, dtype=torch.long, device=device)
+        # scores, tokens and parent indices in one float64 tensor (exact for any id), read back in one transfer
+        self.cand = torch.stack([torch.full((depth, K * K), v, dtype=torch.float64, device=device)
+                                 for v in (float("-inf"), 0.0, -1.0)])
+        self.cand_score, self.cand_token, self.cand_parent = self.cand.unbind(0)
         self.frontier_score = torch.zeros(depth + 1, K, device=device)      # cumulative log-prob per frontier node
         self.frontier_cand = torch.full((depth + 1, K), -1, dtype=torch.long, device=device)  # its candidate index
         # each depth's best candidate score, read back (pinned host memory + an event on CUDA) for early stopping
-        self.best = torch.empty(depth, pin_memory=device.type == "cuda")
+        self.best = torch.empty(depth, dtype=torch.float64, pin_memory=device.type == "cuda")
         self.best_ready = [torch.cuda.Event() if device.type == "cuda" else None for _ in range(depth)]
 
     def queue_best(self, d: int) -> None:
@@ -149,17 +149,19 @@ class DynamicTreeDrafter(CandidateGenerator):
         inputs into ``self.buffers`` (slot 0; its token is written by ``propose``)."""
         raise NotImplementedError
 
-    def score(self, n: int) -> torch.Tensor:
+    def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
         """Run the drafter over tree slots ``0..n`` from its committed state (inputs in ``self.buffers``); draft
-        log-probs ``[n, vocab]``. Runs inside a CUDA-graph capture: no host synchronisation, no state kept."""
+        log-probs ``[len(rows), vocab]`` of the slots ``rows`` (the LM head runs on those only). Runs inside a
+        CUDA-graph capture: no host synchronisation, no state kept."""
         raise NotImplementedError
 
     def add_nodes(self, first: int, parents: torch.Tensor) -> None:
         """Write the inputs, other than tokens and parents, of the new nodes ``first..first+len(parents)``."""
 
-    def add_features(self, features: tuple[torch.Tensor, ...]) -> None:
-        """Target hidden states (one ``[1, n, hidden]`` per feature layer) of the ``n`` positions the target just
-        committed, in order. Only target-aligned drafters (``feature_layers`` set) use them."""
+    def add_features(self, features: tuple[torch.Tensor, ...], positions: list[int] | None = None) -> None:
+        """Target hidden states (one ``[1, T, hidden]`` per feature layer) of the positions the target just
+        committed, in order: all ``T`` (prefill), or the nodes ``positions`` of a verify pass (the accepted path).
+        Only target-aligned drafters (``feature_layers`` set) use them."""
 
     # ---- the expansion ----
     @property
@@ -172,7 +174,7 @@ class DynamicTreeDrafter(CandidateGenerator):
         b, K = self.buffers, self.options.topk
         n, F = 1 + K * (d - 1), (1 if d == 1 else K)             # nodes so far; the newest F are the frontier
         graphs = self.runner.graphs is not None
-        logp = self.score(tree_bucket(n) if graphs else n)[n - F:n]
+        logp = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))        # the frontier's log-probs
         top = torch.topk(logp, K, dim=-1)
         score = (b.frontier_score[d - 1, :F, None] + top.values).flatten()          # [F * K]
         b.cand_score[d - 1, :F * K] = score
@@ -195,12 +197,9 @@ class DynamicTreeDrafter(CandidateGenerator):
         graphs = self.runner.__dict__.setdefault("_draft_step_graphs", {})
         key = (id(self.buffers), d)
         if key not in graphs:
-            try:
-                graphs[key] = capture(lambda: self._depth_step(d), emulate=self.runner.graphs.emulate)
-            except Exception as e:  # noqa: BLE001 - a failed capture costs speed, not correctness: say so, go eager
-                warnings.warn(f"SpecLA: capturing draft depth {d} in a CUDA graph failed ({type(e).__name__}: "
-                              f"{str(e)[:200]}); this depth is drafted eagerly (slower)", RuntimeWarning)
-                graphs[key] = None
+            graphs[key] = capture_or_warn(lambda: self._depth_step(d), f"draft depth {d}",
+                                          "this depth is drafted eagerly", self.runner.graphs.emulate)
+            if graphs[key] is None:
                 self.cache.discard()          # an interrupted capture may leave nodes pending
         if graphs[key] is None:
             self._depth_step(d)
@@ -224,7 +223,7 @@ class DynamicTreeDrafter(CandidateGenerator):
         depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
         self.buffers = self._buffers()
         self.buffers.reset()
-        self.buffers.tokens[:1].copy_(input_ids[0, -1:])
+        copy_in(self.buffers.tokens[:1], input_ids[0, -1:])
         self.start(input_ids)
         depths = 0
         for d in range(1, depth_limit + 1):
@@ -242,11 +241,8 @@ class DynamicTreeDrafter(CandidateGenerator):
         K = self.options.topk
         score_l = token_l = parent_l = []
         if depths:               # no depth at all when the sequence is one token short of its length limit
-            b = self.buffers
-            # float64 holds any token id and index exactly
-            rows = [torch.cat([t[0, :K], t[1:depths].flatten()]).double()
-                    for t in (b.cand_score, b.cand_token, b.cand_parent)]
-            score_l, token_l, parent_l = torch.stack(rows).tolist()
+            cand = self.buffers.cand.cpu()              # depth 1 fills K of its K * K slots
+            score_l, token_l, parent_l = torch.cat([cand[:, 0, :K], cand[:, 1:depths].flatten(1)], 1).tolist()
         depth_l = [1] * min(K, len(score_l)) + [d for d in range(2, depths + 1) for _ in range(K * K)]
         # candidates under the threshold are never submitted; their descendants score no higher, so they go too
         keep = [i for i, lp in enumerate(score_l) if lp >= log_threshold]
@@ -324,12 +320,12 @@ class GDNDrafter(DynamicTreeDrafter):
         if self.consumed > input_ids.shape[1] - 1:
             raise RuntimeError("the drafter is ahead of the sequence: was one drafter shared by two generations?")
         if self.consumed < input_ids.shape[1] - 1:
-            self.runner.forward(input_ids[:, self.consumed:-1].to(self.runner.device), self.cache,
+            self.runner.forward(input_ids[:, self.consumed:-1], self.cache,
                                 logits_positions=slice(0, 0))
             self.consumed = input_ids.shape[1] - 1
 
-    def score(self, n: int) -> torch.Tensor:
+    def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
         b = self.buffers
-        out = self.runner._forward(b.tokens[None, :n], self.cache, b.parents[None, :n], None, ())
+        out = self.runner._forward(b.tokens[None, :n], self.cache, b.parents[None, :n], rows, ())
         self.cache.discard()
         return torch.log_softmax(out.logits[0].float(), -1)

@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from fla.models import GatedDeltaNetConfig
 from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
-from specla_hf.cuda_graphs import DRAFT_SEQ_TOKENS, GraphedForward
+from specla_hf.cuda_graphs import DRAFT_SEQ_TOKENS, GraphedForward, capture_or_warn, to_device
 from specla_hf.drafting import DraftOptions, DynamicTreeDrafter
 from specla_hf.gdn import GDNRunner, RunnerOutput
 
@@ -245,12 +245,45 @@ class EagleDrafter(DynamicTreeDrafter):
         self.features = torch.empty(1, 0, drafter.config.hidden_size, dtype=drafter.dtype, device=drafter.device)
 
     @torch.no_grad()
-    def add_features(self, features: tuple[torch.Tensor, ...]) -> None:
+    def add_features(self, features: tuple[torch.Tensor, ...], positions: list[int] | None = None) -> None:
         if len(features) != len(self.feature_layers):
             raise ValueError(f"expected target features of layers {self.feature_layers}, got {len(features)} tensors")
+        if positions is not None and self.runner.graphs is not None and len(positions) <= self.options.depth + 1:
+            fused = self._graphed_fuse(features, positions)
+        else:
+            if positions is not None:
+                on_path = to_device(torch.tensor(positions), self.features.device)
+                features = tuple(f.index_select(1, on_path) for f in features)
+            fused = self._fuse(features)
+        self.features = torch.cat([self.features, fused], 1)
+
+    def _fuse(self, features: tuple[torch.Tensor, ...]) -> torch.Tensor:
         # GDNRunner gives the top layer before the target's final norm, HF's hidden_states (training) after it
         feats = [self.target_norm(f) if layer == self.top else f for layer, f in zip(self.feature_layers, features)]
-        self.features = torch.cat([self.features, self.drafter.fuse(feats)], 1)
+        return self.drafter.fuse(feats)
+
+    def _graphed_fuse(self, features: tuple[torch.Tensor, ...], positions: list[int]) -> torch.Tensor:
+        """``_fuse`` of the verify nodes ``positions`` as gathers into static buffers plus one CUDA-graph replay (one
+        graph per path length): the fusion's ~10 small kernels cost more host time than GPU time."""
+        n, cap = len(positions), self.options.depth + 1
+        graphs = self.runner.__dict__.setdefault("_feature_graphs", {}).setdefault(cap, {})
+        if n not in graphs:
+            # gather buffers shared by every path length, made once per capacity
+            raw = graphs.setdefault("raw", [f.new_empty(1, cap, f.shape[-1]) for f in features])
+            out = {}
+
+            def fuse():
+                out["fused"] = self._fuse(tuple(r[:, :n] for r in raw))
+            graphs[n] = (capture_or_warn(fuse, "the drafter's feature fusion", "fusing eagerly",
+                                         self.runner.graphs.emulate), out)
+        graph, out = graphs[n]
+        on_path = to_device(torch.tensor(positions), self.features.device)
+        if graph is None:
+            return self._fuse(tuple(f.index_select(1, on_path) for f in features))
+        for r, f in zip(graphs["raw"], features):
+            torch.index_select(f, 1, on_path, out=r[:, :n])
+        graph.replay()
+        return out["fused"]
 
     def _buffers(self):
         """The shared tree buffers plus, per slot, the node's input feature and its output hidden state."""
@@ -270,16 +303,16 @@ class EagleDrafter(DynamicTreeDrafter):
         # reads the pending token
         n = committed - 1 - self.consumed
         if n > 0:
-            tokens = input_ids[:, self.consumed + 1:committed].to(self.features.device)
+            tokens = input_ids[:, self.consumed + 1:committed]      # the runner copies host tokens in, no sync
             self.runner.forward((self.features[:, :n], tokens), self.cache, logits_positions=slice(0, 0))
             self.features, self.consumed = self.features[:, n:], self.consumed + n
         # a one-token prompt has no target feature for the root: a zero feature, never committed
         root = self.buffers.fused[:, :1]
         root.copy_(self.features[:, :1]) if committed else root.zero_()
 
-    def score(self, n: int) -> torch.Tensor:
+    def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
         b = self.buffers
-        out = self.runner._forward((b.fused[:, :n], b.tokens[None, :n]), self.cache, b.parents[None, :n], None, ())
+        out = self.runner._forward((b.fused[:, :n], b.tokens[None, :n]), self.cache, b.parents[None, :n], rows, ())
         self.cache.discard()
         b.hidden[:n] = out.hidden_states[0][0]
         return out.logits[0]

@@ -28,7 +28,7 @@ from fla.modules import GatedMLP
 from specla_hf import backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.cuda_graphs import (DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward, num_tokens,
-                                   pad_tokens, tree_bucket)
+                                   pad_tokens, to_device, tree_bucket)
 from specla_kernels import ops
 
 
@@ -169,8 +169,8 @@ class GDNRunner:
         if self.graphs is not None and self.graphs.supports(input_ids, parents):
             out = self.graphs(input_ids, cache, parents, logits_positions, hidden_layers)
         else:
-            to_device = lambda t: t.to(self.device)         # noqa: E731  (callers may pass host tensors)
-            out = self._forward(tree_map(to_device, input_ids), cache, None if parents is None else to_device(parents),
+            on_device = lambda t: to_device(t, self.device)      # noqa: E731  (callers may pass host tensors)
+            out = self._forward(tree_map(on_device, input_ids), cache, None if parents is None else on_device(parents),
                                 logits_positions, hidden_layers)
         if parents is not None and num_tokens(input_ids) != T:
             out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
