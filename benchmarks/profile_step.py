@@ -26,6 +26,7 @@ import torch
 
 import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.defaults import load_models
+from specla_hf.cuda_graphs import copy_in
 from specla_hf.eagle import _BlockRunner
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
@@ -172,6 +173,11 @@ def main():
             cache.discard()
         res[f"verify_{n}"] = cuda_ms(verify)
         res[f"verify_{n}_host_us"] = host_us(verify)
+    # the pieces of a verify call's host time (64-node bucket): the graph launch alone, one host-to-GPU input copy
+    g = runner.graphs.last_tree
+    res["verify_64_graph_launch_host_us"] = host_us(g.graph.replay)
+    host_parents = torch.full(tuple(g.parents.shape), -1)
+    res["copy_in_host_us"] = host_us(lambda: copy_in(g.parents, host_parents))
 
     parents = torch.tensor([[-1, 0, 1, 2, 3, 4] + [int(torch.randint(0, i, (), generator=gen)) for i in range(6, 32)]])
     ids = torch.randint(0, cfg.vocab_size, (1, 32), generator=gen).cuda()

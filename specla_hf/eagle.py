@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from fla.models import GatedDeltaNetConfig
 from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
-from specla_hf.cuda_graphs import DRAFT_SEQ_TOKENS, GraphedForward, capture_or_warn, to_device
+from specla_hf.cuda_graphs import DRAFT_SEQ_TOKENS, GraphedForward, capture_or_warn, copy_in, to_device
 from specla_hf.drafting import DraftOptions, DynamicTreeDrafter
 from specla_hf.gdn import GDNRunner, RunnerOutput
 
@@ -274,10 +274,10 @@ class EagleDrafter(DynamicTreeDrafter):
 
             def fuse():
                 out["fused"] = self._fuse(tuple(r[:, :n] for r in raw))
-            graphs[n] = (capture_or_warn(fuse, "the drafter's feature fusion", "fusing eagerly",
-                                         self.runner.graphs.emulate), out)
-        graph, out = graphs[n]
-        on_path = to_device(torch.tensor(positions), self.features.device)
+            graph = capture_or_warn(fuse, "the drafter's feature fusion", "fusing eagerly", self.runner.graphs.emulate)
+            graphs[n] = (graph, out, torch.zeros(n, dtype=torch.long, device=self.features.device))
+        graph, out, on_path = graphs[n]
+        copy_in(on_path, torch.tensor(positions))
         if graph is None:
             return self._fuse(tuple(f.index_select(1, on_path) for f in features))
         for r, f in zip(graphs["raw"], features):
