@@ -24,8 +24,10 @@ from specla_hf.gdn import GDNRunner
 
 CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
 # a tree of budget + 1 nodes is verified in a power-of-two bucket: 31 drafts + the root fill the 32-node bucket that
-# any budget over 15 pays for anyway (docs/drafter.md, tree shapes)
-TREE_DEFAULTS = DraftOptions(depth=6, topk=4, budget=31, threshold=0.02)
+# any budget over 15 pays for anyway (docs/drafter.md, tree shapes). No pruning by default: a verify pass costs about
+# the same from 4 to 32 nodes on the H200, so pruning loses more tau than it saves time (docs/results.md, session 3:
+# tree 1.13 vs tree + pruning at 0.05 1.26 decode ms/token at the 1.3B shape); pass confidence_threshold to prune
+TREE_DEFAULTS = DraftOptions(depth=6, topk=4, budget=31, threshold=0.0)
 
 
 @dataclass
