@@ -138,14 +138,21 @@ def speculative_decode(
     launch_s = launch(host_ids)
     while True:
         t0 = time.perf_counter()
+        # a tree selected on the device is verified before the host reads it back, so the GPU goes from drafting to
+        # verifying without waiting for the host; otherwise the host selects it and the runner copies it in
+        selected = drafter.device_tree()
+        if selected is not None:
+            with record_function("specla.verify"):
+                out = target.forward(selected[0], cache, parents=selected[1], logits_positions=slice(None),
+                                     hidden_layers=feature_layers)
         with record_function("specla.collect"):
             tree = drafter.collect()
         t1 = time.perf_counter()
         stats.draft_time += launch_s + t1 - t0
-        with record_function("specla.verify"):
-            # host tensors: the runner pads them to their bucket on the host and copies them in once
-            out = target.forward(tree.tokens[None], cache, parents=tree.parents[None], logits_positions=slice(None),
-                                 hidden_layers=feature_layers)
+        if selected is None:
+            with record_function("specla.verify"):
+                out = target.forward(tree.tokens[None], cache, parents=tree.parents[None],
+                                     logits_positions=slice(None), hidden_layers=feature_layers)
         with record_function("specla.accept"):
             # logits are copied (the verify graph's output buffer is overwritten next step) only where they are used:
             # plain greedy reads back each node's argmax, no more; sampling and logits processors run on ``device``

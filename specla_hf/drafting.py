@@ -70,7 +70,7 @@ class DraftBuffers:
     """
 
     def __init__(self, topk: int, depth: int, device: torch.device):
-        K = topk
+        K = self.topk = topk
         self.capacity = tree_bucket(1 + K * depth)
         self.tokens = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.parents = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
@@ -81,8 +81,19 @@ class DraftBuffers:
         self.frontier_score = torch.zeros(depth + 1, K, device=device)      # cumulative log-prob per frontier node
         self.frontier_cand = torch.full((depth + 1, K), -1, dtype=torch.long, device=device)  # its candidate index
         # each depth's best candidate score, read back (pinned host memory + an event on CUDA) for early stopping
-        self.best = torch.empty(depth, dtype=torch.float64, pin_memory=device.type == "cuda")
-        self.best_ready = [torch.cuda.Event() if device.type == "cuda" else None for _ in range(depth)]
+        cuda = device.type == "cuda"
+        self.best = torch.empty(depth, dtype=torch.float64, pin_memory=cuda)
+        self.best_ready = [torch.cuda.Event() if cuda else None for _ in range(depth)]
+        # the selected tree (``select_tree``): tokens, parents, cumulative log-probs; long copies feed the verify pass,
+        # the float64 rows are read back to the host in one transfer
+        most = 1 + K + (depth - 1) * K * K                 # the root and every candidate
+        self.cand_depth = torch.tensor([1] * K + [d for d in range(2, depth + 1) for _ in range(K * K)],
+                                       dtype=torch.float64, device=device)
+        self.tree = torch.zeros(3, most, dtype=torch.float64, device=device)
+        self.tree_tokens = torch.zeros(most, dtype=torch.long, device=device)
+        self.tree_parents = torch.full((most,), -1, dtype=torch.long, device=device)
+        self.tree_host = torch.empty(3, most, dtype=torch.float64, pin_memory=cuda)
+        self.tree_ready = torch.cuda.Event() if cuda else None
 
     def queue_best(self, d: int) -> None:
         """Start reading depth ``d``'s best candidate score back to the host (``read_best``)."""
@@ -99,6 +110,43 @@ class DraftBuffers:
     def reset(self) -> None:
         """Padding slots must stay inert (children of the committed state) whatever an earlier proposal wrote."""
         self.parents.fill_(-1)
+
+    def select_tree(self, depths: int, budget: int) -> None:
+        """``DynamicTreeDrafter._select`` of every candidate of depths ``1..depths`` (no threshold), on the device:
+        the ``min(budget, candidates)`` best by cumulative log-prob (ties: shallower, then earlier candidate), in
+        topological order (by depth, best first), parents renumbered; root = ``tokens[0]``. Static shapes for a given
+        ``depths``, no host synchronisation (it is captured as a CUDA graph). A parent always ranks above its children
+        (they score no higher and are deeper), so the selection is prefix-closed without a check."""
+        K = self.topk
+        C = K + (depths - 1) * K * K
+        n = min(budget, C)
+        score, token, parent = torch.cat([self.cand[:, 0, :K], self.cand[:, 1:depths].flatten(1)], 1).unbind(0)
+        # by score, ties by index: candidates are numbered depth by depth, so that is also "shallower first"
+        chosen = torch.sort(score, descending=True, stable=True).indices[:n]
+        chosen = chosen[torch.sort(self.cand_depth[chosen], stable=True).indices]
+        node = torch.zeros(C, dtype=torch.long, device=score.device)
+        node[chosen] = torch.arange(1, n + 1, device=score.device)
+        up = parent[chosen].long()
+        self.tree[0, :1] = self.tokens[:1]
+        self.tree[1, 0], self.tree[2, 0] = -1, 0
+        self.tree[0, 1:n + 1] = token[chosen]
+        self.tree[1, 1:n + 1] = torch.where(up >= 0, node[up.clamp(min=0)], 0)
+        self.tree[2, 1:n + 1] = score[chosen]
+        self.tree_tokens[:n + 1] = self.tree[0, :n + 1]
+        self.tree_parents[:n + 1] = self.tree[1, :n + 1]
+
+    def queue_tree(self) -> None:
+        """Start reading the selected tree back to the host (``read_tree``)."""
+        self.tree_host.copy_(self.tree, non_blocking=True)
+        if self.tree_ready is not None:
+            self.tree_ready.record()
+
+    def read_tree(self, n: int) -> DraftTree:
+        """The selected tree of ``n`` nodes; waits for the selection only, not for work queued after it."""
+        if self.tree_ready is not None:
+            self.tree_ready.synchronize()
+        tokens, parents, log_probs = self.tree_host[:, :n]
+        return DraftTree(tokens.long(), parents.long(), log_probs.clone())
 
 
 @dataclass
@@ -189,20 +237,20 @@ class DynamicTreeDrafter(CandidateGenerator):
         b.frontier_score[d] = best_score
         b.frontier_cand[d] = (0 if d == 1 else K + (d - 2) * K * K) + best
 
-    def _run_depth(self, d: int) -> None:
-        """``_depth_step`` as a CUDA-graph replay where the drafter runs graphs (captured on first use)."""
+    def _run(self, key: tuple, step, what: str) -> None:
+        """``step()`` (idempotent, static shapes) as a CUDA-graph replay where the drafter runs graphs (captured on
+        first use, per buffers and ``key``), else eagerly."""
         if self.runner.graphs is None:
-            self._depth_step(d)
+            step()
             return
         graphs = self.runner.__dict__.setdefault("_draft_step_graphs", {})
-        key = (id(self.buffers), d)
+        key = (id(self.buffers), *key)
         if key not in graphs:
-            graphs[key] = capture_or_warn(lambda: self._depth_step(d), f"draft depth {d}",
-                                          "this depth is drafted eagerly", self.runner.graphs.emulate)
+            graphs[key] = capture_or_warn(step, what, "it runs eagerly", self.runner.graphs.emulate)
             if graphs[key] is None:
                 self.cache.discard()          # an interrupted capture may leave nodes pending
         if graphs[key] is None:
-            self._depth_step(d)
+            step()
         else:
             graphs[key].replay()
 
@@ -214,30 +262,51 @@ class DynamicTreeDrafter(CandidateGenerator):
     @torch.no_grad()
     def launch(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> None:
         """Start a proposal: ``start``, then one ``_depth_step`` per depth, queued on the device without host round
-        trips, so the host is free until ``collect``. With a confidence threshold drafting stops once no candidate of
-        a depth clears it: each depth's best score is read back one depth late (the host waits for depth ``d - 1``
-        while depth ``d`` runs), and the extra depth costs nothing in the tree: its candidates score no higher than
-        their parents, so ``collect`` prunes them all."""
+        trips, so the host is free until ``collect``. Without a confidence threshold the tree is selected on the
+        device as well (``DraftBuffers.select_tree``): ``device_tree`` can then feed the verify pass before the host
+        has read the draft. With a threshold drafting stops once no candidate of a depth clears it: each depth's best
+        score is read back one depth late (the host waits for depth ``d - 1`` while depth ``d`` runs), and the extra
+        depth costs nothing in the tree: its candidates score no higher than their parents, so ``collect`` prunes
+        them all."""
         threshold = self.threshold
         log_threshold = _log(threshold)
         depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
-        self.buffers = self._buffers()
-        self.buffers.reset()
-        copy_in(self.buffers.tokens[:1], input_ids[0, -1:])
+        b = self.buffers = self._buffers()
+        b.reset()
+        copy_in(b.tokens[:1], input_ids[0, -1:])
         self.start(input_ids)
         depths = 0
         for d in range(1, depth_limit + 1):
-            self._run_depth(d)
+            self._run(("depth", d), lambda d=d: self._depth_step(d), f"draft depth {d}")
             depths = d
             if threshold > 0:
-                if d > 1 and self.buffers.read_best(d - 1) < log_threshold:
+                if d > 1 and b.read_best(d - 1) < log_threshold:
                     break
-                self.buffers.queue_best(d)
-        self._launched = (input_ids[0, -1:], depths, log_threshold)
+                b.queue_best(d)
+        selected = None
+        if threshold <= 0 and depths:
+            budget, K = self.options.budget, self.options.topk
+            self._run(("select", depths, budget), lambda: b.select_tree(depths, budget), "the tree selection")
+            b.queue_tree()
+            selected = 1 + min(budget, K + (depths - 1) * K * K)
+        self._launched = (input_ids[0, -1:], depths, log_threshold, selected)
+
+    def device_tree(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The launched proposal's tree as device tensors ``(tokens [1, N], parents [1, N])`` when it was selected on
+        the device (no threshold), else ``None``: the verify pass can be queued before ``collect`` reads it back."""
+        selected = self._launched[3]
+        if selected is None:
+            return None
+        return self.buffers.tree_tokens[None, :selected], self.buffers.tree_parents[None, :selected]
 
     def collect(self) -> DraftTree:
-        """The launched proposal's tree: one host transfer of every depth's candidates, then the global selection."""
-        root, depths, log_threshold = self._launched
+        """The launched proposal's tree: read back as selected on the device, or one host transfer of every depth's
+        candidates, then the global selection."""
+        root, depths, log_threshold, selected = self._launched
+        if selected is not None:
+            tree = self.buffers.read_tree(selected)
+            self.last_tree, self.last_pruned = tree, 0
+            return tree
         K = self.options.topk
         score_l = token_l = parent_l = []
         if depths:               # no depth at all when the sequence is one token short of its length limit
@@ -263,7 +332,8 @@ class DynamicTreeDrafter(CandidateGenerator):
 
     @staticmethod
     def _select(root_token: int, cands: list[_Candidate], budget: int) -> DraftTree:
-        """Global top-``budget`` by cumulative log-prob, kept prefix-closed; topological order (depth, best first)."""
+        """Global top-``budget`` by cumulative log-prob (ties: shallower, then earlier candidate), kept prefix-closed;
+        topological order (depth, best first). ``DraftBuffers.select_tree`` is the same rule on the device."""
         order = sorted(range(len(cands)), key=lambda i: (-cands[i].log_prob, cands[i].depth))
         keep: set[int] = set()
         for i in order:
@@ -271,7 +341,7 @@ class DynamicTreeDrafter(CandidateGenerator):
                 break
             if cands[i].parent < 0 or cands[i].parent in keep:
                 keep.add(i)
-        kept = sorted(keep, key=lambda i: (cands[i].depth, -cands[i].log_prob))
+        kept = sorted(keep, key=lambda i: (cands[i].depth, -cands[i].log_prob, i))
         index = {c: n + 1 for n, c in enumerate(kept)}
         tokens = [root_token] + [cands[i].token for i in kept]
         parents = [-1] + [index[cands[i].parent] if cands[i].parent >= 0 else 0 for i in kept]

@@ -1,0 +1,60 @@
+"""The tree selection on the device (``DraftBuffers.select_tree``) against the host's ``DynamicTreeDrafter._select``:
+same nodes, same order, same parents, on random candidate sets with exact score ties and certain (log-prob 0) drafts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specla_hf.drafting import DraftBuffers, DynamicTreeDrafter, _Candidate
+
+
+def random_candidates(b: DraftBuffers, depth: int, gen: torch.Generator) -> None:
+    """Fill ``b.cand`` like ``_depth_step`` would: K root children, then K * K per depth below K nodes of the previous
+    depth, each scoring its parent's cumulative log-prob plus a log-prob <= 0 (some exactly 0, some tied)."""
+    K = b.topk
+    b.cand.copy_(torch.stack([torch.full(b.cand.shape[1:], v, dtype=torch.float64)
+                              for v in (float("-inf"), 0.0, -1.0)]))
+    flat_scores = []
+
+    def step_logp(n: int) -> torch.Tensor:
+        lp = -torch.rand(n, generator=gen, dtype=torch.float64).mul(3).round(decimals=1)   # coarse: many ties
+        lp[torch.rand(n, generator=gen) < 0.2] = 0.0                                      # certain drafts
+        return lp
+    root = step_logp(K)
+    b.cand[0, 0, :K], b.cand[1, 0, :K], b.cand[2, 0, :K] = root, torch.randint(0, 50, (K,), generator=gen), -1
+    flat_scores += root.tolist()
+    prev = list(range(K))                                   # flat indices of the previous depth's candidates
+    for d in range(2, depth + 1):
+        frontier = [prev[i] for i in torch.randperm(len(prev), generator=gen)[:K].tolist()]
+        parents = torch.tensor(frontier).repeat_interleave(K)
+        scores = torch.tensor([flat_scores[p] for p in parents.tolist()], dtype=torch.float64) + step_logp(K * K)
+        b.cand[0, d - 1], b.cand[2, d - 1] = scores, parents.double()
+        b.cand[1, d - 1] = torch.randint(0, 50, (K * K,), generator=gen).double()
+        base = len(flat_scores)
+        flat_scores += scores.tolist()
+        prev = list(range(base, base + K * K))
+
+
+def host_select(b: DraftBuffers, depths: int, budget: int):
+    K = b.topk
+    score, token, parent = torch.cat([b.cand[:, 0, :K], b.cand[:, 1:depths].flatten(1)], 1).tolist()
+    depth = [1] * K + [d for d in range(2, depths + 1) for _ in range(K * K)]
+    cands = [_Candidate(int(t), int(p), s, dd) for s, t, p, dd in zip(score, token, parent, depth)]
+    return DynamicTreeDrafter._select(int(b.tokens[0]), cands, budget)
+
+
+@pytest.mark.parametrize("topk,depth,budget", [(1, 6, 6), (3, 4, 10), (4, 6, 31), (4, 6, 200), (2, 5, 1)])
+def test_device_selection_is_the_host_selection(topk, depth, budget):
+    gen = torch.Generator().manual_seed(topk * 100 + depth * 10 + budget)
+    b = DraftBuffers(topk, depth, torch.device("cpu"))
+    for trial in range(20):
+        random_candidates(b, depth, gen)
+        b.tokens[0] = 7 + trial
+        for depths in range(1, depth + 1):
+            want = host_select(b, depths, budget)
+            b.select_tree(depths, budget)
+            b.queue_tree()
+            got = b.read_tree(len(want))
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents), (trial, depths)
+            assert torch.allclose(got.log_probs, want.log_probs.double())
+            assert len(want) == 1 + min(budget, topk + (depths - 1) * topk * topk)
