@@ -103,7 +103,16 @@ class GraphedForward:
         key = (num_tokens(inputs), None if parents is None else cache.num_pending,
                _slice_key(logits_positions), tuple(hidden_layers))
         if key not in self.graphs:
-            self.graphs[key] = self._capture(inputs, cache, parents, logits_positions, hidden_layers)
+            if parents is None:
+                # every sequence length this runner graphs, at once: a length first seen mid-generation (a drafter
+                # catching up after a long accepted path) would otherwise put a capture into that step
+                for t in range(1, self.max_seq_tokens + 1):
+                    if (t, *key[1:]) not in self.graphs:
+                        shaped = tree_map(lambda x: x.new_zeros(x.shape[0], t, *x.shape[2:]), inputs)
+                        self.graphs[(t, *key[1:])] = self._capture(shaped, cache, None, logits_positions,
+                                                                    hidden_layers)
+            else:
+                self.graphs[key] = self._capture(inputs, cache, parents, logits_positions, hidden_layers)
         g = self.graphs[key]
         for buf, x in zip(tree_flatten(g.inputs)[0], tree_flatten(inputs)[0]):
             copy_in(buf, x)

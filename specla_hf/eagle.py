@@ -267,15 +267,17 @@ class EagleDrafter(DynamicTreeDrafter):
         graph per path length): the fusion's ~10 small kernels cost more host time than GPU time."""
         n, cap = len(positions), self.options.depth + 1
         graphs = self.runner.__dict__.setdefault("_feature_graphs", {}).setdefault(cap, {})
-        if n not in graphs:
-            # gather buffers shared by every path length, made once per capacity
-            raw = graphs.setdefault("raw", [f.new_empty(1, cap, f.shape[-1]) for f in features])
-            out = {}
+        if not graphs:
+            # every path length at once (none is then captured mid-generation), reading gather buffers they share
+            raw = graphs["raw"] = [f.new_empty(1, cap, f.shape[-1]) for f in features]
+            for length in range(1, cap + 1):
+                out = {}
 
-            def fuse():
-                out["fused"] = self._fuse(tuple(r[:, :n] for r in raw))
-            graph = capture_or_warn(fuse, "the drafter's feature fusion", "fusing eagerly", self.runner.graphs.emulate)
-            graphs[n] = (graph, out, torch.zeros(n, dtype=torch.long, device=self.features.device))
+                def fuse(length=length, out=out):
+                    out["fused"] = self._fuse(tuple(r[:, :length] for r in raw))
+                graph = capture_or_warn(fuse, "the drafter's feature fusion", "fusing eagerly",
+                                        self.runner.graphs.emulate)
+                graphs[length] = (graph, out, torch.zeros(length, dtype=torch.long, device=self.features.device))
         graph, out, on_path = graphs[n]
         copy_in(on_path, torch.tensor(positions))
         if graph is None:
