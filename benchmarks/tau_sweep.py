@@ -25,12 +25,17 @@ from specla_hf.prompts import load_prompts
 EVAL_FILES = ("mt_bench.jsonl", "humaneval.jsonl", "alpaca_eval_80.jsonl")
 
 
-def shapes() -> list[dict]:
-    chains = [dict(tree=False, draft_depth=d, confidence_threshold=0.0) for d in (4, 6, 8)]
+def shapes(depths=(4, 6, 8), topks=(2, 4), budgets=(16, 24, 32), thresholds=(0.0, 0.02, 0.05),
+           chains: bool = True) -> list[dict]:
+    chain = [dict(tree=False, draft_depth=d, confidence_threshold=0.0) for d in depths] if chains else []
     trees = [dict(tree=True, draft_depth=d, tree_topk=k, tree_budget=b, confidence_threshold=t)
-             for d, k, b, t in itertools.product((4, 6, 8), (2, 4), (16, 24, 32), (0.0, 0.02, 0.05))
+             for d, k, b, t in itertools.product(depths, topks, budgets, thresholds)
              if b <= k + k * k * (d - 1)]                 # no more budget than the drafter proposes
-    return chains + trees
+    return chain + trees
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
 
 
 def main():
@@ -40,6 +45,11 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--verify-costs", type=Path, default=None, help="profile_step.json (verify_N in ms)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--depths", type=_ints, default=(4, 6, 8), help="comma-separated draft depths")
+    ap.add_argument("--topks", type=_ints, default=(2, 4), help="comma-separated tree top-k values")
+    ap.add_argument("--budgets", type=_ints, default=(16, 24, 32), help="comma-separated tree budgets")
+    ap.add_argument("--thresholds", type=lambda t: tuple(float(x) for x in t.split(",")), default=(0.0, 0.02, 0.05))
+    ap.add_argument("--no-chains", action="store_true", help="trees only")
     args = ap.parse_args()
     torch.set_num_threads(1)
     models = load_models(device="cpu", dtype="float32")
@@ -49,7 +59,8 @@ def main():
     prompts = [tok(t, return_tensors="pt") for t in texts]
     costs = json.loads(args.verify_costs.read_text()) if args.verify_costs else {}
     rows = []
-    for shape in tqdm(shapes(), desc="tree shapes"):
+    grid = shapes(args.depths, args.topks, args.budgets, args.thresholds, chains=not args.no_chains)
+    for shape in tqdm(grid, desc="tree shapes"):
         taus, nodes = [], []
         for p in prompts:
             target.generate(**p, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=drafter,

@@ -24,6 +24,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from specla_hf.cuda_graphs import MAX_TREE_BUCKET, capture_or_warn, copy_in, tree_bucket
+from specla_kernels import ops
 
 
 @dataclass
@@ -223,15 +224,15 @@ class DynamicTreeDrafter(CandidateGenerator):
         n, F = 1 + K * (d - 1), (1 if d == 1 else K)             # nodes so far; the newest F are the frontier
         graphs = self.runner.graphs is not None
         logp = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))        # the frontier's log-probs
-        top = torch.topk(logp, K, dim=-1)
-        score = (b.frontier_score[d - 1, :F, None] + top.values).flatten()          # [F * K]
+        top_logp, top_token = ops.row_topk(logp, K)
+        score = (b.frontier_score[d - 1, :F, None] + top_logp).flatten()            # [F * K]
         b.cand_score[d - 1, :F * K] = score
-        b.cand_token[d - 1, :F * K] = top.indices.flatten()
+        b.cand_token[d - 1, :F * K] = top_token.flatten()
         b.cand_parent[d - 1, :F * K] = b.frontier_cand[d - 1, :F, None].expand(F, K).flatten()   # (no host sync)
         # expand the most confident candidates of this depth (EAGLE-2): they are the next step's frontier
-        best_score, best = torch.topk(score, K)
+        best_score, best = (t[0] for t in ops.row_topk(score[None], K))
         parents = (n - F) + best // K
-        b.tokens[n:n + K] = top.indices.flatten()[best]
+        b.tokens[n:n + K] = top_token.flatten()[best]
         b.parents[n:n + K] = parents
         self.add_nodes(n, parents)
         b.frontier_score[d] = best_score

@@ -19,6 +19,7 @@ from specla_kernels import ops
 from specla_kernels import reference as ref
 from specla_kernels.commit import commit_state_, commit_states_, commit_window_, commit_windows_
 from specla_kernels.gate import gdn_gate_beta
+from specla_kernels.topk import row_topk as topk_kernel
 from specla_kernels.tree_conv import tree_conv
 from specla_kernels.tree_delta import INTERPRETED, tree_gated_delta_rule
 
@@ -353,6 +354,32 @@ def test_gate_beta_matches_reference(device, dtype):
             assert g.dtype == beta.dtype == torch.float32
             torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(beta, beta_ref, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# top-k of each row (the drafter's expansion)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_topk_matches_reference(device, dtype):
+    """Values and indices equal the stable-sort reference exactly: rows in one slice and over several (the merge),
+    column counts that are not powers of two, k from 1 to 16, coarse values with many exact ties, -inf entries, a
+    strided row view (the drafter's frontier rows of a bigger tensor)."""
+    gen = seeded(dtype, 'topk')
+    block = 64 if device == "cpu" else 1024             # several slices per row on either device, at small sizes
+    for R, V, k in [(1, 16, 4), (4, 97, 4), (3, 1000, 1), (2, 300, 16), (5, 5000, 3), (1, 65, 8)]:
+        if device == "cpu" and V > 1000:
+            continue
+        x = (torch.randn(R + 2, V, generator=gen) * 4).round().to(dtype)        # integers: exact ties everywhere
+        x[1, :3] = float("-inf")
+        rows = x[1:R + 1].to(device)
+        got = topk_kernel(rows, k, block=block)
+        want = ref.row_topk_ref(rows, k)
+        assert got[0].dtype == dtype and got[1].dtype == torch.int64
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (R, V, k)
+        got = topk_kernel(x.to(device)[:, ::2], k, block=block)                 # a strided view
+        want = ref.row_topk_ref(x[:, ::2].to(device), k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (R, V, k, "strided")
 
 
 # ----------------------------------------------------------------------------------------------------------------

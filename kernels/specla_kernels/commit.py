@@ -5,17 +5,17 @@ with ``P`` the path from the committed state to the accepted node ``m`` and ``Γ
 
     S ← e^{Γ_m} S + Σ_{j∈P} e^{Γ_m-Γ_j} u_j k̂_jᵀ
 
-one rank-|P| update from the compact factors; the state is read once and written once. Each program owns one
-[BV, BK] tile of one head's state, so the whole commit is one round trip to memory per program: it issues the state
-load first, finds the path (row ``m`` of the ancestor mask, built as in the tree kernel) meanwhile, and reads the
-factors of path nodes only.
+one rank-|P| update from the compact factors; the state is read once and written once. A first small kernel finds
+the path (row ``m`` of the ancestor mask, built as in the tree kernel) and its weights ``e^{Γ_m-Γ_j}`` once per
+(layer, sequence, value head); then each program of the update owns one [BV, BK] tile of one head's state: one
+round trip to memory, reading the factors of path nodes only.
 ``commit_window_`` is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
 inputs of ``[old window, x along P]``. ``accepted[b] == -1`` leaves batch row ``b`` untouched in both.
 
-A decode step commits every layer at once, so both kernels take a table of per-layer base addresses
-(``commit_states_`` / ``commit_windows_``): one launch each for the whole model instead of one per layer (the layers'
-tensors are separate allocations: the pending factors are outputs of the verify pass). The tables are cached by
-address, so a decoding loop whose factors live in CUDA-graph output buffers builds them once.
+A decode step commits every layer at once, so the kernels take a table of per-layer base addresses
+(``commit_states_`` / ``commit_windows_``): two launches for all states and one for all windows, whatever the
+layer count (the layers' tensors are separate allocations: the pending factors are outputs of the verify pass). The
+tables are cached by address, so a decoding loop whose factors live in CUDA-graph output buffers builds them once.
 """
 from __future__ import annotations
 
@@ -29,9 +29,35 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 @triton.jit(do_not_specialize=["Nt", "n_sq", "BHV"])
-def commit_state_kernel(
-    state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, parents, accepted,
+def commit_weights_kernel(
+    g_ptrs, parents, accepted, w, decay,
     Nt, n_sq, BHV,
+    HV: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """Per (layer, sequence, value head): the path weights ``w_j = e^{Γ_m-Γ_j}`` (0 off the path) and ``e^{Γ_m}``."""
+    i_lbh = tl.program_id(0)
+    i_l, i_bh = i_lbh // BHV, i_lbh % BHV
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    m = tl.load(accepted + i_b).to(tl.int32)
+    g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
+    rows = tl.arange(0, BN)
+    m_n = rows < Nt
+    p_n = tl.load(parents + i_b * Nt + rows, mask=m_n, other=-1).to(tl.int32)
+    b_g = tl.load(g + (i_b * Nt + rows).to(tl.int64) * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
+    anc = ancestor_mask(p_n, rows, n_sq, BN)
+    on_path = tl.sum(tl.where((rows == m)[:, None] & anc, 1, 0), 0) > 0         # row m of the mask
+    # Γ_j of a path node sums the gates of its own ancestors, i.e. of the path down to j
+    gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
+    gam_m = tl.sum(tl.where(rows == m, gam, 0.), 0)
+    tl.store(w + i_lbh.to(tl.int64) * BN + rows, tl.where(on_path, tl.exp(tl.minimum(gam_m - gam, 0.)), 0.))
+    tl.store(decay + i_lbh, tl.exp(gam_m))
+
+
+@triton.jit(do_not_specialize=["Nt", "BHV"])
+def commit_state_kernel(
+    state_ptrs, k_hat_ptrs, u_ptrs, w, decay, accepted,
+    Nt, BHV,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -49,29 +75,21 @@ def commit_state_kernel(
         state = tl.load(state_ptrs + i_l).to(tl.pointer_type(tl.float32))
         k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
         u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
-        g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
         o_v = i_v * BV + tl.arange(0, BV)
         o_k = i_k * BK + tl.arange(0, BK)
         m_sk = (o_v < V)[:, None] & (o_k < K)[None, :]
         p_sk = state + i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
-        b_s = tl.load(p_sk, mask=m_sk, other=0.)                  # issued first: it does not depend on the path
+        b_s = tl.load(p_sk, mask=m_sk, other=0.)
         rows = tl.arange(0, BN)
-        m_n = rows < Nt
         tok = (i_b * Nt + rows).to(tl.int64)
-        p_n = tl.load(parents + i_b * Nt + rows, mask=m_n, other=-1).to(tl.int32)
-        b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
-        anc = ancestor_mask(p_n, rows, n_sq, BN)
-        on_path = tl.sum(tl.where((rows == m)[:, None] & anc, 1, 0), 0) > 0         # row m of the mask
-        # Γ_j of a path node sums the gates of its own ancestors, i.e. of the path down to j
-        gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
-        gam_m = tl.sum(tl.where(rows == m, gam, 0.), 0)
-        w = tl.where(on_path, tl.exp(tl.minimum(gam_m - gam, 0.)), 0.)
+        b_w = tl.load(w + i_lbh.to(tl.int64) * BN + rows)
+        on_path = b_w > 0.                  # (a path node whose weight underflowed to 0 contributes nothing anyway)
         # only path rows are read
         b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=on_path[:, None] & (o_v < V)[None, :],
                       other=0.).to(tl.float32)
         b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :],
                        mask=on_path[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
-        b_s = b_s * tl.exp(gam_m) + tl.dot(tl.trans(b_u * w[:, None]), b_kh, input_precision="tf32x3")
+        b_s = b_s * tl.load(decay + i_lbh) + tl.dot(tl.trans(b_u * b_w[:, None]), b_kh, input_precision="tf32x3")
         tl.store(p_sk, b_s, mask=m_sk)
 
 
@@ -164,11 +182,18 @@ def commit_states_(
         raise ValueError(f"one tree chunk holds 1..128 nodes, got {Nt}")
     BN = max(16, triton.next_power_of_2(Nt))
     BV, BK = 32, max(16, min(64, triton.next_power_of_2(K)))
-    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), len(states) * B * HV)
+    LBH = len(states) * B * HV
+    parents, accepted = parents.contiguous(), accepted.contiguous()
+    # the path and its decays once per (layer, sequence, head), not once per state tile: the update programs then
+    # only stream the state (the ancestor mask of a 64-node tree in each of ~8000 programs cost ~5x the traffic)
+    w = torch.empty(LBH, BN, dtype=torch.float32, device=parents.device)
+    decay = torch.empty(LBH, dtype=torch.float32, device=parents.device)
+    commit_weights_kernel[(LBH,)](_address_table(gs), parents, accepted, w, decay, Nt, (Nt - 1).bit_length(), B * HV,
+                                  HV=HV, BN=BN, num_warps=4 if BN <= 32 else 8)
+    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), LBH)
     commit_state_kernel[grid](
-        _address_table(states), _address_table(k_hats), _address_table(us), _address_table(gs),
-        parents.contiguous(), accepted.contiguous(), Nt, (Nt - 1).bit_length(), B * HV,
-        H=H, HV=HV, K=K, V=V, BN=BN, BK=BK, BV=BV, num_warps=4 if BN <= 32 else 8,
+        _address_table(states), _address_table(k_hats), _address_table(us), w, decay, accepted, Nt, B * HV,
+        H=H, HV=HV, K=K, V=V, BN=BN, BK=BK, BV=BV, num_warps=4,
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from specla_kernels import reference
 from specla_kernels import commit as _commit
 from specla_kernels import gate as _gate
+from specla_kernels import topk as _topk
 from specla_kernels import tree_conv as _tree_conv
 from specla_kernels import tree_delta as _tree_delta
 
@@ -92,7 +93,7 @@ def commit_window_(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor,
 
 def commit_states_(states: list[torch.Tensor], k_hats: list[torch.Tensor], us: list[torch.Tensor],
                    gs: list[torch.Tensor], parents: torch.Tensor, accepted: torch.Tensor) -> None:
-    """``commit_state_`` of every layer of a model (one tree, one accepted node); one launch on the Triton path."""
+    """``commit_state_`` of every layer of a model (one tree, one accepted node); two launches on the Triton path."""
     if use_triton(states[0]) and k_hats[0].shape[1] <= MAX_NODES:
         contiguous = lambda ts: [t.contiguous() for t in ts]          # noqa: E731  (no-op for the cache's factors)
         _commit.commit_states_(states, contiguous(k_hats), contiguous(us), contiguous(gs), parents, accepted)
@@ -109,3 +110,12 @@ def commit_windows_(xs: list[torch.Tensor], windows: list[torch.Tensor], parents
         return
     for x, window in zip(xs, windows):
         commit_window_(x, window, parents, accepted)
+
+
+def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row of ``x [R, V]``, descending, ties to the lower index (see
+    ``row_topk_ref``); the Triton path takes ``k <= 16``."""
+    if use_triton(x) and k <= min(16, x.shape[-1]):
+        return _topk.row_topk(x, k)
+    return reference.row_topk_ref(x, k)
+

@@ -260,3 +260,14 @@ def conv_sequence_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if activation in ('silu', 'swish'):
         y = F.silu(y)
     return y.transpose(1, 2).to(x.dtype), full[..., -W:].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# top-k of each row (the drafter's expansion)
+# ---------------------------------------------------------------------------------------------------------------------
+def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, V]`` -> ``values [R, k]``, ``indices [R, k]``: the ``k`` largest of each row, descending, ties to the lower
+    index (``torch.topk`` leaves the order of ties unspecified; a stable sort fixes it)."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
+
