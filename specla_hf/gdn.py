@@ -221,10 +221,14 @@ class GDNRunner:
             y, window = fla_gdn.causal_conv1d(x=x, weight=conv_weight, bias=conv_bias, initial_state=layer.window,
                                               output_final_state=True, activation=m.q_conv1d.activation)
             layer.window.copy_(window)
+        elif not layer.x.shape[1]:
+            # a fresh tree (every decoding step): the conv reads x, a column slice of the GEMM output, in place and
+            # writes the contiguous copy the factors keep on the way
+            x_slice, x = x, x.new_empty(x.shape)
+            y = ops.tree_conv(x_slice, conv_weight, conv_bias, layer.window, parents, x_out=x)
         else:
-            x = x.contiguous()      # a column slice of the GEMM output: one copy serves the conv and the factors
-            x_all = torch.cat([layer.x, x], 1) if layer.x.shape[1] else x
-            y = ops.tree_conv(x_all, conv_weight, conv_bias, layer.window, parents)[:, -T:]
+            x = x.contiguous()
+            y = ops.tree_conv(torch.cat([layer.x, x], 1), conv_weight, conv_bias, layer.window, parents)[:, -T:]
         q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], -1)
         q = q.view(B, T, m.num_heads, m.head_k_dim)
         k = k.view(B, T, m.num_heads, m.head_k_dim)

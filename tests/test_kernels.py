@@ -300,6 +300,12 @@ def test_tree_conv_matches_reference(device, kind, dtype):
             y = tree_conv(x, weight, b_, window, parents, act)
             assert y.dtype == dtype
             check(y, ref.tree_conv_ref(x, weight, b_, window, parents, act), TOL[dtype], f"y (bias={b_ is not None})")
+        # x as a column slice of a wider projection output, read in place, its contiguous copy written on the way
+        wide = torch.randn(B, N, D + 9, generator=gen).to(device, dtype)
+        x_slice, x_out = wide[..., 5:5 + D], torch.full((B, N, D), float("nan"), device=device, dtype=dtype)
+        y = tree_conv(x_slice, weight, bias, window, parents, "silu", x_out=x_out)
+        check(y, ref.tree_conv_ref(x_slice, weight, bias, window, parents, "silu"), TOL[dtype], "y (column slice)")
+        assert torch.equal(x_out, x_slice)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -59,11 +59,12 @@ def tree_conv(
     window: torch.Tensor,
     parents: torch.Tensor,
     activation: str | None = 'silu',
+    x_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Tree-aware depthwise short convolution (see ``tree_conv_ref``)."""
+    """Tree-aware depthwise short convolution (see ``tree_conv_ref``); ``x_out`` receives a contiguous copy of ``x``."""
     if use_triton(x):
-        return _tree_conv.tree_conv(x, weight, bias, window, parents, activation)
-    return reference.tree_conv_ref(x, weight, bias, window, parents, activation)
+        return _tree_conv.tree_conv(x, weight, bias, window, parents, activation, x_out)
+    return reference.tree_conv_ref(x, weight, bias, window, parents, activation, x_out)
 
 
 def commit_state_(

@@ -217,11 +217,15 @@ def tree_conv_ref(
     window: torch.Tensor,
     parents: torch.Tensor,
     activation: str | None = 'silu',
+    x_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv where each node sees its own ancestors, then the committed window.
 
     x: ``[B, Nt, D]`` raw (pre-conv) inputs; weight ``[D, W]``; window ``[B, D, W]``. Returns ``[B, Nt, D]``.
+    ``x_out``, if given, receives a copy of ``x`` (the kernel writes it on the way, saving the caller a copy).
     """
+    if x_out is not None:
+        x_out.copy_(x)
     B, N, D = x.shape
     W = weight.shape[-1]
     depth = tree_depth(tree_ancestors(parents))

@@ -14,13 +14,14 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["N"])
 def tree_conv_kernel(
-    x, weight, bias, window, parents, y,
-    N, D,
+    x, weight, bias, window, parents, y, x_out,
+    N, D, stride_xt,
     W: tl.constexpr,
     BN: tl.constexpr,
     BD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    COPY_X: tl.constexpr,
 ):
     i_d, i_n, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_n * BN + tl.arange(0, BN)
@@ -39,8 +40,10 @@ def tree_conv_kernel(
         if s > 0:
             cur = tl.load(parents + i_b * N + cur, mask=cur >= 0, other=-1).to(tl.int32)
         inside = cur >= 0
-        from_tree = tl.load(x + (i_b * N + cur[:, None]).to(tl.int64) * D + o_d[None, :],
+        from_tree = tl.load(x + (i_b * N + cur[:, None]).to(tl.int64) * stride_xt + o_d[None, :],
                             mask=m_nd & inside[:, None], other=0.)
+        if COPY_X and s == 0:            # the nodes' own inputs: a contiguous copy for the commit's factors
+            tl.store(x_out + (i_b * N + rows[:, None]).to(tl.int64) * D + o_d[None, :], from_tree, mask=m_nd)
         # the committed window stores W inputs, newest last; distance s past the root is column W - s + depth
         from_win = tl.load(p_win + (W - s + depth)[:, None], mask=m_nd & (~inside)[:, None], other=0.)
         b_x = tl.where(inside[:, None], from_tree, from_win.to(x.dtype.element_ty)).to(tl.float32)
@@ -60,19 +63,28 @@ def tree_conv(
     window: torch.Tensor,
     parents: torch.Tensor,
     activation: str | None = 'silu',
+    x_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``tree_conv_ref``: ``x [B,N,D]`` raw inputs, ``weight [D,W]``, ``window [B,D,W]``,
-    ``parents [B,N]``; returns ``[B,N,D]`` in the dtype of x."""
+    ``parents [B,N]``; returns ``[B,N,D]`` in the dtype of x. ``x`` may be a column slice of a wider tensor (tokens
+    evenly spaced, channels contiguous: the runner's fused projection output), read in place; ``x_out`` (contiguous
+    ``[B,N,D]``), if given, receives a contiguous copy of ``x`` on the way (the raw inputs the commit needs)."""
     B, N, D = x.shape
     W = weight.shape[-1]
     if activation not in (None, 'silu', 'swish'):
         raise ValueError(f"unsupported activation {activation!r}")
+    if x_out is not None and (x_out.shape != x.shape or x_out.dtype != x.dtype or not x_out.is_contiguous()):
+        raise ValueError("x_out must be a contiguous tensor of x's shape and dtype")
+    if not (x.stride(-1) == 1 and (B == 1 or x.stride(0) == N * x.stride(1))):
+        x = x.contiguous()
     BN = min(64, triton.next_power_of_2(N))
     BD = max(16, min(triton.next_power_of_2(D), 1024 // BN))
     y = x.new_empty(B, N, D)
     grid = (triton.cdiv(D, BD), triton.cdiv(N, BN), B)
     tree_conv_kernel[grid](
-        x.contiguous(), weight.contiguous(), bias if bias is not None else x, window.contiguous(), parents.contiguous(),
-        y, N, D, W=W, BN=BN, BD=BD, HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4,
+        x, weight.contiguous(), bias if bias is not None else x, window.contiguous(), parents.contiguous(),
+        y, x_out if x_out is not None else y, N, D, x.stride(1) if N > 1 else x.stride(0),
+        W=W, BN=BN, BD=BD, HAS_BIAS=bias is not None, SILU=activation is not None, COPY_X=x_out is not None,
+        num_warps=4,
     )
     return y
