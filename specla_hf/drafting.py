@@ -225,18 +225,11 @@ class DynamicTreeDrafter(CandidateGenerator):
         graphs = self.runner.graphs is not None
         logp = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))        # the frontier's log-probs
         top_logp, top_token = ops.row_topk(logp, K)
-        score = (b.frontier_score[d - 1, :F, None] + top_logp).flatten()            # [F * K]
-        b.cand_score[d - 1, :F * K] = score
-        b.cand_token[d - 1, :F * K] = top_token.flatten()
-        b.cand_parent[d - 1, :F * K] = b.frontier_cand[d - 1, :F, None].expand(F, K).flatten()   # (no host sync)
-        # expand the most confident candidates of this depth (EAGLE-2): they are the next step's frontier
-        best_score, best = (t[0] for t in ops.row_topk(score[None], K))
-        parents = (n - F) + best // K
-        b.tokens[n:n + K] = top_token.flatten()[best]
-        b.parents[n:n + K] = parents
-        self.add_nodes(n, parents)
-        b.frontier_score[d] = best_score
-        b.frontier_cand[d] = (0 if d == 1 else K + (d - 2) * K * K) + best
+        # record the F x K candidates, expand the K most confident (EAGLE-2): the next depth's frontier
+        ops.expand_frontier(top_logp, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
+                            b.cand[:, d - 1], b.tokens, b.parents, b.frontier_score[d], b.frontier_cand[d], n,
+                            0 if d == 1 else K + (d - 2) * K * K)
+        self.add_nodes(n, b.parents[n:n + K])
 
     def _run(self, key: tuple, step, what: str) -> None:
         """``step()`` (idempotent, static shapes) as a CUDA-graph replay where the drafter runs graphs (captured on

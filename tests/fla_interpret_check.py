@@ -1,6 +1,8 @@
-"""Run under TRITON_INTERPRET=1 (see test_fla_parity.py): fla's Triton modules vs our torch path on tiny models.
+"""Run under TRITON_INTERPRET=1 (see test_fla_parity.py): fla's Triton modules vs our torch path on tiny models, and
+SpecLA decoding with every SpecLA Triton kernel in the loop (the interpreter runs them on CPU tensors: tree verify,
+tree conv, gate, commit, the drafter's top-k and expansion) against plain decoding.
 
-Prints one JSON line with the max abs differences."""
+Prints one JSON line with the max abs differences and the equality flags."""
 import json
 import os
 import sys
@@ -29,4 +31,24 @@ for name, kw in {"base": {}, "gva": dict(v_heads=4), "no_gate_neg_eig": dict(gat
     torch_gen = model.generate(ids[:1], max_new_tokens=4, do_sample=False)
     out[name] = {"logits_max_abs": (fla - ref).abs().max().item(), "ref_max_abs": ref.abs().max().item(),
                  "generate_equal": bool(torch.equal(fla_gen, torch_gen))}
+# SpecLA with our kernels in the loop (ops.use_triton holds for CPU tensors here): a perfect drafter (the target's
+# twin: long accepted paths, deep commits) and a random aligned drafter, chain, tree, and pruned tree (host selection)
+from specla_hf import SpecLADrafter, SpecLADrafterConfig  # noqa: E402
+from specla_kernels import ops  # noqa: E402
+
+assert ops.use_triton(torch.zeros(1))
+target, twin = tiny_gdn(seed=3), tiny_gdn(seed=3)
+with torch.no_grad():
+    for m in (target, twin):
+        m.lm_head.weight.mul_(20)              # peaked distributions: confident drafts, so the twin's are accepted
+aligned = SpecLADrafter(SpecLADrafterConfig.for_target(target.config, num_heads=2, head_dim=16)).eval()
+ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1))
+plain = target.generate(ids, max_new_tokens=14, do_sample=False)
+specla = {}
+for d_name, drafter in (("twin", twin), ("aligned", aligned)):
+    for mode, kw in (("chain", dict(tree=False)), ("tree", dict(tree=True, tree_budget=9)),
+                     ("pruned", dict(tree=True, tree_budget=9, confidence_threshold=0.05))):
+        spec = target.generate(ids, max_new_tokens=14, do_sample=False, assistant_model=drafter, **kw)
+        specla[f"{d_name}_{mode}"] = {"equal": bool(torch.equal(spec, plain)), "tau": target.specla_stats.tau}
+out["specla_triton_kernels"] = specla
 print(json.dumps(out))

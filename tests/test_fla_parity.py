@@ -1,4 +1,5 @@
-"""Our torch path for fla's Triton modules equals fla itself (fla run in Triton's interpreter, tiny sizes)."""
+"""Our torch path for fla's Triton modules equals fla itself (fla run in Triton's interpreter, tiny sizes), and SpecLA
+decoding with our Triton kernels in the loop equals plain decoding (same interpreter run)."""
 import json
 import os
 import subprocess
@@ -14,6 +15,10 @@ def test_torch_path_matches_fla_kernels():
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
+    specla = results.pop("specla_triton_kernels")
     for name, r in results.items():
         assert r["logits_max_abs"] < 1e-4 * max(1.0, r["ref_max_abs"]), (name, r)
         assert r["generate_equal"], (name, r)
+    # SpecLA with our Triton kernels in the loop decodes exactly what plain decoding does
+    assert all(r["equal"] for r in specla.values()), specla
+    assert min(specla[f"twin_{m}"]["tau"] for m in ("chain", "tree", "pruned")) > 3    # deep paths committed

@@ -11,6 +11,7 @@ import torch
 
 from specla_kernels import reference
 from specla_kernels import commit as _commit
+from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import gate as _gate
 from specla_kernels import topk as _topk
 from specla_kernels import tree_conv as _tree_conv
@@ -119,4 +120,12 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and k <= min(16, x.shape[-1]):
         return _topk.row_topk(x, k)
     return reference.row_topk_ref(x, k)
+
+
+def expand_frontier(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_score: torch.Tensor,
+                    frontier_cand: torch.Tensor, cand: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                    next_score: torch.Tensor, next_cand: torch.Tensor, n: int, cand_base: int) -> None:
+    """One depth of the drafter's tree expansion after its top-k, in place (see ``expand_frontier_ref``)."""
+    fn = _draft_expand.expand_frontier if use_triton(top_logp) else reference.expand_frontier_ref
+    fn(top_logp, top_token, frontier_score, frontier_cand, cand, tokens, parents, next_score, next_cand, n, cand_base)
 

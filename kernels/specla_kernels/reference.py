@@ -275,3 +275,24 @@ def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
     return values[:, :k], indices[:, :k]
 
+
+def expand_frontier_ref(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_score: torch.Tensor,
+                        frontier_cand: torch.Tensor, cand: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                        next_score: torch.Tensor, next_cand: torch.Tensor, n: int, cand_base: int) -> None:
+    """One depth of the drafter's tree expansion, in place. The ``F`` frontier nodes (tree slots ``n - F .. n - 1``,
+    cumulative scores ``frontier_score [F]``, candidate numbers ``frontier_cand [F]``) have ``K`` best children each
+    (``top_logp``, ``top_token`` ``[F, K]``). Writes the ``F * K`` candidates into ``cand [3, >= F*K]`` (float64 rows:
+    cumulative score, token, parent candidate), picks the ``K`` best (ties to the lower candidate) as the next
+    frontier: their tokens and parent slots into ``tokens[n:n+K]``, ``parents[n:n+K]``, their scores and candidate
+    numbers (``cand_base`` + index) into ``next_score``, ``next_cand``."""
+    F, K = top_logp.shape
+    score = (frontier_score[:, None] + top_logp).flatten()
+    cand[0, :F * K] = score
+    cand[1, :F * K] = top_token.flatten()
+    cand[2, :F * K] = frontier_cand[:, None].expand(F, K).flatten()
+    best_score, best = (t[0] for t in row_topk_ref(score[None], K))
+    tokens[n:n + K] = top_token.flatten()[best]
+    parents[n:n + K] = (n - F) + best // K
+    next_score.copy_(best_score)
+    next_cand.copy_(cand_base + best)
+
