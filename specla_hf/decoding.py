@@ -145,10 +145,12 @@ def speculative_decode(
             with record_function("specla.verify"):
                 out = target.forward(selected[0], cache, parents=selected[1], logits_positions=slice(None),
                                      hidden_layers=feature_layers)
+        t_collect = time.perf_counter()
         with record_function("specla.collect"):
             tree = drafter.collect()
         t1 = time.perf_counter()
-        stats.draft_time += launch_s + t1 - t0
+        stats.draft_time += launch_s + t1 - t_collect
+        stats.verify_time += t_collect - t0
         if selected is None:
             with record_function("specla.verify"):
                 out = target.forward(tree.tokens[None], cache, parents=tree.parents[None],
