@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from fla.modules.activations import swiglu
-from specla_kernels.reference import conv_sequence_ref, gdn_gate, recurrent_gated_delta_rule_ref
+from specla_kernels.reference import (conv_sequence_ref, gdn_gate, recurrent_gated_delta_rule_ref,
+                                      rms_norm_gated_ref as rms_norm_gated, rms_norm_ref as rms_norm)
 
 _MODE = {"modules": "auto", "delta_rule": "auto"}
 _INSTALLED = False
@@ -49,29 +50,6 @@ def _torch_wanted(kind: str, x: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------------------
 # torch implementations, with fla's signatures
 # --------------------------------------------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-             residual: torch.Tensor | None = None, prenorm: bool = False) -> torch.Tensor | tuple:
-    """fla's fused RMSNorm (with optional residual add and pre-norm output), computed in fp32."""
-    dtype = x.dtype
-    h = x.float() if residual is None else x.float() + residual.float()
-    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    y = y.to(dtype)
-    return (y, h.to(dtype)) if prenorm else y
-
-
-def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   eps: float, activation: str) -> torch.Tensor:
-    """fla's ``FusedRMSNormGated``: ``rmsnorm(x) * w * act(g)`` with ``act`` swish/silu or sigmoid."""
-    y = rms_norm(x.float(), weight, bias, eps).float()
-    gf = g.float()
-    y = y * (gf * torch.sigmoid(gf) if activation in ("swish", "silu") else torch.sigmoid(gf))
-    return y.to(x.dtype)
-
-
 def gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,

@@ -248,7 +248,11 @@ class GDNRunner:
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix)
             layer.add_factors(k_hat, u, g, x)
 
-        if m.use_gate:
+        if m.use_gate and parents is not None:
+            # the gate is a column slice of the projection GEMM: our gated norm reads it in place (fla's copies it)
+            o = ops.rms_norm_gated(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim), m.o_norm.weight,
+                                   m.o_norm.bias, m.o_norm.eps, m.o_norm.activation)
+        elif m.use_gate:
             o = m.o_norm(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim))
         else:
             o = m.o_norm(o.to(h.dtype))

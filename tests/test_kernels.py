@@ -362,6 +362,25 @@ def test_gate_beta_matches_reference(device, dtype):
             torch.testing.assert_close(beta, beta_ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gated_norm_matches_reference(device, dtype):
+    """The output norm with the gate read in place from a column slice of a wider projection (and contiguous), with
+    and without weight / bias, swish and sigmoid gates, odd head dims, one token and several, batch > 1."""
+    from specla_kernels.gated_norm import rms_norm_gated
+    gen = seeded(dtype, 'gated_norm')
+    for B, T, H, D in [(1, 13, 6, 40), (2, 5, 3, 24), (1, 1, 2, 512), (3, 1, 4, 33)]:
+        x = torch.randn(B, T, H, D, generator=gen).to(device, dtype)
+        wide = torch.randn(B, T, H * D + 11, generator=gen).to(device, dtype) * 3
+        g = wide[..., 7:7 + H * D].view(B, T, H, D)
+        w, b = torch.randn(D, generator=gen).to(device), torch.randn(D, generator=gen).to(device)
+        for weight, bias, act in [(w, None, "swish"), (None, None, "sigmoid"), (w, b, "silu")]:
+            for gate in (g, g.contiguous()):
+                y = rms_norm_gated(x, gate, weight, bias, 1e-5, act)
+                assert y.dtype == dtype
+                check(y, ref.rms_norm_gated_ref(x, gate, weight, bias, 1e-5, act), TOL[dtype], f"{act} {B, T}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # top-k of each row (the drafter's expansion)
 # ----------------------------------------------------------------------------------------------------------------

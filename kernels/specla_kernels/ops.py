@@ -13,6 +13,7 @@ from specla_kernels import reference
 from specla_kernels import commit as _commit
 from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import gate as _gate
+from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import topk as _topk
 from specla_kernels import tree_conv as _tree_conv
 from specla_kernels import tree_delta as _tree_delta
@@ -128,4 +129,13 @@ def expand_frontier(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_sc
     """One depth of the drafter's tree expansion after its top-k, in place (see ``expand_frontier_ref``)."""
     fn = _draft_expand.expand_frontier if use_triton(top_logp) else reference.expand_frontier_ref
     fn(top_logp, top_token, frontier_score, frontier_cand, cand, tokens, parents, next_score, next_cand, n, cand_base)
+
+
+def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   eps: float, activation: str = "swish") -> torch.Tensor:
+    """The GatedDeltaNet output norm on ``[B, T, H, D]`` (see ``rms_norm_gated_ref``); the kernel reads a strided gate
+    (a column slice of the fused projection) in place."""
+    if use_triton(x):
+        return _gated_norm.rms_norm_gated(x, g, weight, bias, eps, activation)
+    return reference.rms_norm_gated_ref(x, g, weight, bias, eps, activation)
 

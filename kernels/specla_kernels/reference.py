@@ -296,3 +296,29 @@ def expand_frontier_ref(top_logp: torch.Tensor, top_token: torch.Tensor, frontie
     next_score.copy_(best_score)
     next_cand.copy_(cand_base + best)
 
+
+# ---------------------------------------------------------------------------------------------------------------------
+# norms (fla's fused RMSNorm and the GatedDeltaNet output norm, computed in fp32)
+# ---------------------------------------------------------------------------------------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                 residual: torch.Tensor | None = None, prenorm: bool = False) -> torch.Tensor | tuple:
+    """fla's fused RMSNorm (with optional residual add and pre-norm output), computed in fp32."""
+    dtype = x.dtype
+    h = x.float() if residual is None else x.float() + residual.float()
+    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(dtype)
+    return (y, h.to(dtype)) if prenorm else y
+
+
+def rms_norm_gated_ref(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       eps: float, activation: str) -> torch.Tensor:
+    """fla's ``FusedRMSNormGated``: ``rmsnorm(x) * w * act(g)`` with ``act`` swish/silu or sigmoid."""
+    y = rms_norm_ref(x.float(), weight, bias, eps).float()
+    gf = g.float()
+    y = y * (gf * torch.sigmoid(gf) if activation in ("swish", "silu") else torch.sigmoid(gf))
+    return y.to(x.dtype)
+
