@@ -219,7 +219,8 @@ class _BlockRunner(GDNRunner):
         y, residual = block.mlp_norm(y, residual=x, prenorm=True)
         h = residual + self._mlp(0, y)
         top = h if logits_positions is None else h[:, logits_positions]
-        return RunnerOutput(torch.log_softmax(self.lm_head(self.model.norm(top)).float(), -1), (h,))
+        logits = self.lm_head(self.model.norm(top))
+        return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (h,))    # fp32, no cast copy
 
 
 class EagleDrafter(DynamicTreeDrafter):
