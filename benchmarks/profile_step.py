@@ -5,7 +5,8 @@ median of many replays after warm-up):
 - ``ar_step``: the target consuming one token (our autoregressive step);
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
-- ``draft_root`` / ``draft_expand4`` / ``draft_catchup4``: the inflated aligned drafter's calls;
+- ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
+  ``draft_proposal_tree`` / ``draft_proposal_chain``: a whole proposal (every depth, the selection) as the loop issues it;
 and, from one eager target step under ``torch.profiler``, the kernels it launches (count, summed GPU time): the gap
 between that sum and the graph replay is launch/dependency overhead inside the graph, the gap between the sum and the
 weight-bandwidth floor is kernel inefficiency; and whole decoding calls (AR, SpecLA tree and chain) under the
@@ -211,6 +212,15 @@ def main():
         return call
     res["draft_root"] = cuda_ms(draft_call(feats[:, :1], toks[:, :1], root))
     res["draft_tree9"] = cuda_ms(draft_call(feats9, toks9, tree))
+    # a whole proposal as the loop issues it (every depth's graph, the selection), catch-up excluded: the drafter's
+    # share of a step, for the default tree and chain
+    from specla_hf.generation import draft_options
+    ids = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)
+    for name, tree_mode in (("draft_proposal_tree", True), ("draft_proposal_chain", False)):
+        eagle = drafter.candidate_generator(big, draft_options(tree=tree_mode, confidence_threshold=0.0))
+        eagle.add_features(tuple(torch.randn(1, 16, H, device="cuda", dtype=torch.bfloat16)
+                                 for _ in eagle.feature_layers))
+        res[name] = cuda_ms(lambda: eagle.launch(ids))      # after the first call there is nothing to catch up
     res["floor_ms"] = weight_bytes / 4.2e12 * 1e3            # all weights once at the measured ~4.2 TB/s copy rate
 
     # whole decoding calls, 48 new tokens after a 64-token prompt: where the wall time of a step goes
