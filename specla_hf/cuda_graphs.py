@@ -46,6 +46,10 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     key = (dst.data_ptr(), tuple(dst.shape), dst.dtype)
     if key not in _staging:
+        if len(_staging) >= 256:          # destinations are static buffers; many means runners came and went
+            for _, done in _staging.values():
+                done.synchronize()
+            _staging.clear()
         _staging[key] = (torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True), torch.cuda.Event())
     twin, done = _staging[key]
     done.synchronize()               # returns at once unless the previous copy is still queued
