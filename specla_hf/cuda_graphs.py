@@ -187,15 +187,9 @@ class GraphedForward:
             graph = EmulatedGraph()
             out, pending = graph.capture(call, cache)
         else:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                call()                               # warm-up: Triton compile/autotune, cuBLAS handles
-            torch.cuda.current_stream().wait_stream(stream)
-            _restore(cache, saved, prefix)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out, pending = call()                # recorded, not run
+            recorded = {}                            # the recorded call's outputs (the warm-up's are overwritten)
+            graph = capture(lambda: recorded.update(result=call()), between=lambda: _restore(cache, saved, prefix))
+            out, pending = recorded["result"]
         _restore(cache, saved, prefix)               # undo the warm-up / Python-side effects of the capture
         return _Graph(graph, static_inputs, static_parents, prefix, out, pending)
 
@@ -211,9 +205,10 @@ class _Rerun:
         self.fn()
 
 
-def capture(fn, emulate: bool = False):
+def capture(fn, emulate: bool = False, between=None):
     """A CUDA graph of ``fn()`` (no arguments; reads and writes static tensors only), after one warm-up run on a
-    side stream (Triton compile/autotune, cuBLAS handles): ``fn`` must tolerate running twice."""
+    side stream (Triton compile/autotune, cuBLAS handles): ``fn`` must tolerate running twice. ``between()``, if
+    given, runs after the warm-up and before the recording, outside the graph (e.g. undoing the warm-up's effects)."""
     if emulate:
         return _Rerun(fn)
     stream = torch.cuda.Stream()
@@ -221,6 +216,8 @@ def capture(fn, emulate: bool = False):
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
+    if between is not None:
+        between()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()

@@ -135,6 +135,12 @@ def speculative_decode(
         drafter.launch(ids, max_depth=max_length - ids.shape[1] - 1)
         return time.perf_counter() - t
 
+    def verify(tokens: torch.LongTensor, parents: torch.LongTensor):
+        """One target pass over the draft tree (host or device tensors: the runner pads and copies them in)."""
+        with record_function("specla.verify"):
+            return target.forward(tokens, cache, parents=parents, logits_positions=slice(None),
+                                  hidden_layers=feature_layers)
+
     launch_s = launch(host_ids)
     while True:
         t0 = time.perf_counter()
@@ -142,9 +148,7 @@ def speculative_decode(
         # verifying without waiting for the host; otherwise the host selects it and the runner copies it in
         selected = drafter.device_tree()
         if selected is not None:
-            with record_function("specla.verify"):
-                out = target.forward(selected[0], cache, parents=selected[1], logits_positions=slice(None),
-                                     hidden_layers=feature_layers)
+            out = verify(*selected)
         t_collect = time.perf_counter()
         with record_function("specla.collect"):
             tree = drafter.collect()
@@ -152,9 +156,7 @@ def speculative_decode(
         stats.draft_time += launch_s + t1 - t_collect
         stats.verify_time += t_collect - t0
         if selected is None:
-            with record_function("specla.verify"):
-                out = target.forward(tree.tokens[None], cache, parents=tree.parents[None],
-                                     logits_positions=slice(None), hidden_layers=feature_layers)
+            out = verify(tree.tokens[None], tree.parents[None])
         with record_function("specla.accept"):
             # logits are copied (the verify graph's output buffer is overwritten next step) only where they are used:
             # plain greedy reads back each node's argmax, no more; sampling and logits processors run on ``device``
@@ -220,12 +222,12 @@ def _stop_after(stopping_criteria: StoppingCriteriaList, grown: torch.LongTensor
         new = grown[0, first_new:].tolist()
         return next((j + 1 for j, token in enumerate(new)
                      if token in eos or (max_length is not None and first_new + j + 1 >= max_length)), None)
-    if all(isinstance(c, STATELESS_CRITERIA) for c in stopping_criteria):
-        prefixes = (grown[:, :n] for n in range(first_new + 1, grown.shape[1] + 1))
+    stateless = all(isinstance(c, STATELESS_CRITERIA) for c in stopping_criteria)
+    grown = grown if stateless else grown.to(device)
+    prefixes = (grown[:, :n] for n in range(first_new + 1, grown.shape[1] + 1))
+    if stateless:
         flags = torch.stack([stopping_criteria(p, None).any() for p in prefixes]).tolist()
     else:
-        grown = grown.to(device)
-        prefixes = (grown[:, :n] for n in range(first_new + 1, grown.shape[1] + 1))
         flags = []
         for p in prefixes:
             flags.append(bool(stopping_criteria(p, None).any()))

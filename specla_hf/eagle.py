@@ -249,9 +249,10 @@ class EagleDrafter(DynamicTreeDrafter):
     def add_features(self, features: tuple[torch.Tensor, ...], positions: list[int] | None = None) -> None:
         if len(features) != len(self.feature_layers):
             raise ValueError(f"expected target features of layers {self.feature_layers}, got {len(features)} tensors")
+        fused = None
         if positions is not None and self.runner.graphs is not None and len(positions) <= self.options.depth + 1:
             fused = self._graphed_fuse(features, positions)
-        else:
+        if fused is None:                    # no graphs, a prefill, or a failed capture
             if positions is not None:
                 on_path = to_device(torch.tensor(positions), self.features.device)
                 features = tuple(f.index_select(1, on_path) for f in features)
@@ -263,9 +264,10 @@ class EagleDrafter(DynamicTreeDrafter):
         feats = [self.target_norm(f) if layer == self.top else f for layer, f in zip(self.feature_layers, features)]
         return self.drafter.fuse(feats)
 
-    def _graphed_fuse(self, features: tuple[torch.Tensor, ...], positions: list[int]) -> torch.Tensor:
+    def _graphed_fuse(self, features: tuple[torch.Tensor, ...], positions: list[int]) -> torch.Tensor | None:
         """``_fuse`` of the verify nodes ``positions`` as gathers into static buffers plus one CUDA-graph replay (one
-        graph per path length): the fusion's ~10 small kernels cost more host time than GPU time."""
+        graph per path length): the fusion's ~10 small kernels cost more host time than GPU time. ``None`` if that
+        length's capture failed."""
         n, cap = len(positions), self.options.depth + 1
         graphs = self.runner.__dict__.setdefault("_feature_graphs", {}).setdefault(cap, {})
         if not graphs:
@@ -280,9 +282,9 @@ class EagleDrafter(DynamicTreeDrafter):
                                         self.runner.graphs.emulate)
                 graphs[length] = (graph, out, torch.zeros(length, dtype=torch.long, device=self.features.device))
         graph, out, on_path = graphs[n]
-        copy_in(on_path, torch.tensor(positions))
         if graph is None:
-            return self._fuse(tuple(f.index_select(1, on_path) for f in features))
+            return None
+        copy_in(on_path, torch.tensor(positions))
         for r, f in zip(graphs["raw"], features):
             torch.index_select(f, 1, on_path, out=r[:, :n])
         graph.replay()

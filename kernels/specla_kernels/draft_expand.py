@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-NO_INDEX = 2 ** 30
+from specla_kernels.topk import top_k_slots
 
 
 @triton.jit
@@ -34,24 +34,15 @@ def expand_frontier_kernel(
     tl.store(cand + c, score.to(tl.float64), mask=m)
     tl.store(cand + cand_stride + c, token.to(tl.float64), mask=m)
     tl.store(cand + 2 * cand_stride + c, tl.load(frontier_cand + row, mask=m, other=-1).to(tl.float64), mask=m)
-    # the K best candidates, best first, ties to the lower index (as row_topk)
+    # the K best candidates, best first, ties to the lower index (row_topk's selection), and their tokens
+    best_score, best = top_k_slots(score, c.to(tl.int64), m, K, KP)
+    best_token = tl.sum(tl.where(c[None, :] == best[:, None], token[None, :], 0), 1)
     slot = tl.arange(0, KP)
-    best_score = tl.full([KP], float("-inf"), tl.float32)
-    best = tl.full([KP], 0, tl.int32)
-    best_token = tl.full([KP], 0, tl.int64)
-    alive = m
-    for j in tl.static_range(K):
-        top = tl.max(tl.where(alive, score, float("-inf")), 0)
-        pick = tl.min(tl.where(alive & (score == top), c, NO_INDEX), 0)
-        best_score = tl.where(slot == j, top, best_score)
-        best = tl.where(slot == j, pick, best)
-        best_token = tl.where(slot == j, tl.sum(tl.where(c == pick, token, 0), 0), best_token)
-        alive = alive & (c != pick)
     m_k = slot < K
     tl.store(tokens + n + slot, best_token, mask=m_k)
-    tl.store(parents + n + slot, (n - F + best // K).to(tl.int64), mask=m_k)
+    tl.store(parents + n + slot, n - F + best // K, mask=m_k)
     tl.store(next_score + slot, best_score, mask=m_k)
-    tl.store(next_cand + slot, (cand_base + best).to(tl.int64), mask=m_k)
+    tl.store(next_cand + slot, cand_base + best, mask=m_k)
 
 
 def expand_frontier(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_score: torch.Tensor,

@@ -17,7 +17,7 @@ NO_INDEX = 2 ** 62          # larger than any index: loses every tie, marks an e
 
 
 @triton.jit
-def _top_k(vals, idx, alive, K: tl.constexpr, KP: tl.constexpr):
+def top_k_slots(vals, idx, alive, K: tl.constexpr, KP: tl.constexpr):
     """The top ``K`` of the ``alive`` entries of ``vals`` (ties: lower ``idx``) as ``[KP]`` values and indices."""
     slot = tl.arange(0, KP)
     out_v = tl.full([KP], float("-inf"), tl.float32)
@@ -38,7 +38,7 @@ def row_topk_slices_kernel(x, cand_v, cand_i, V, stride_row, NB, K: tl.constexpr
     cols = i_s * BLOCK + tl.arange(0, BLOCK)
     alive = cols < V
     vals = tl.load(x + i_r.to(tl.int64) * stride_row + cols, mask=alive, other=float("-inf")).to(tl.float32)
-    out_v, out_i = _top_k(vals, cols.to(tl.int64), alive, K, KP)
+    out_v, out_i = top_k_slots(vals, cols.to(tl.int64), alive, K, KP)
     slot = (i_r.to(tl.int64) * NB + i_s) * KP + tl.arange(0, KP)
     tl.store(cand_v + slot, out_v)
     tl.store(cand_i + slot, out_i)
@@ -52,7 +52,7 @@ def row_topk_merge_kernel(cand_v, cand_i, values, indices, C, K: tl.constexpr, K
     m = j < C
     vals = tl.load(cand_v + i_r.to(tl.int64) * C + j, mask=m, other=float("-inf"))
     idx = tl.load(cand_i + i_r.to(tl.int64) * C + j, mask=m, other=NO_INDEX)
-    out_v, out_i = _top_k(vals, idx, m & (idx != NO_INDEX), K, KP)
+    out_v, out_i = top_k_slots(vals, idx, m & (idx != NO_INDEX), K, KP)
     slot = i_r.to(tl.int64) * KP + tl.arange(0, KP)
     tl.store(values + slot, out_v)
     tl.store(indices + slot, out_i)
