@@ -10,7 +10,9 @@ on CPU) and replaces only the GatedDeltaNet mixer's state handling:
 
 A batch-1 decode step is bound by its kernel count, so each layer's input projections (q|k|v|g|a|b), short
 convolutions and MLP gate|up run as one GEMM / conv each, against fused weights whose rows the model's parameters
-are views of (``fuse_mixer_weights``).
+are views of (``fuse_mixer_weights``). A one-token step of batch 1 (autoregressive decoding, a drafter's steps) goes
+further (``_decode_step``): four GEMVs per layer with the norms, residual adds, short conv and SwiGLU fused around
+them (``specla_kernels.gemv``) and the recurrence updating the state in place.
 """
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import triton
 from torch.utils._pytree import tree_map
 
 import fla.layers.gated_deltanet as fla_gdn
 from fla.layers.gated_deltanet import GatedDeltaNet
+from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel
 from fla.models import GatedDeltaNetForCausalLM
-from fla.modules import GatedMLP
+from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 from specla_hf import backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.cuda_graphs import (DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward, num_tokens,
@@ -89,6 +93,55 @@ def check_gdn_model(model, role: str = "target") -> None:
         raise NotImplementedError(f"the {role} uses hidden_act={cfg.hidden_act!r}; SpecLA supports 'swish'")
 
 
+def supports_fused_step(model: GatedDeltaNetForCausalLM) -> bool:
+    """Whether ``GDNRunner._decode_step`` computes this model's one-token step: fla's default block layout (fused
+    pre-norm residual adds, bias-free RMSNorms and projections, short conv with SiLU, swish-gated output norm with
+    power-of-two heads, SwiGLU MLP). Other layouts take the general path."""
+    def plain_norm(n):
+        return isinstance(n, RMSNorm) and n.weight is not None and n.bias is None
+
+    def no_bias(*linears):
+        return all(lin.bias is None for lin in linears)
+
+    for block in model.model.layers:
+        m, mlp = block.attn, block.mlp
+        if not (m.use_short_conv and m.use_gate and m.q_conv1d.activation in ("silu", "swish")
+                and isinstance(m.o_norm, FusedRMSNormGated) and m.o_norm.weight is not None
+                and getattr(m.o_norm, "bias", None) is None and m.o_norm.activation in ("swish", "silu")
+                and not m.head_v_dim & (m.head_v_dim - 1)
+                and plain_norm(block.attn_norm) and plain_norm(block.mlp_norm) and mlp.hidden_act == "swish"
+                and no_bias(m.q_proj, m.k_proj, m.v_proj, m.g_proj, m.a_proj, m.b_proj, m.o_proj, mlp.gate_proj,
+                            mlp.up_proj, mlp.down_proj)):
+            return False
+    return model.config.fuse_norm and plain_norm(model.model.norm) and model.lm_head.bias is None
+
+
+def recurrent_step_(m: GatedDeltaNet, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token of batch 1 (1-D ``q, k [H*K]``, ``v [HV*V]``, raw gate inputs ``a, b [HV]``) through ``m``'s gated
+    delta rule; ``state [1, HV, V, K]`` is updated in place, the output ``o [HV*V]`` returned. With Triton: fla's
+    fused-recurrent kernel (the stock layer's, same math) launched with the state as its initial and its final state
+    (each program reads its block before writing it back), which saves the stock call's state allocation and copy.
+    Its pointers index token 0 of batch 0 only, so column slices of one projection row are valid inputs."""
+    H, HV, K, V = m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    if not ops.use_triton(q):
+        o, final = backend.gated_delta_rule(
+            q.view(1, 1, H, K), k.view(1, 1, H, K), v.view(1, 1, HV, V), g=a.view(1, 1, HV), beta=b.view(1, 1, HV),
+            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=m.A_log, dt_bias=m.dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=m.allow_neg_eigval,
+            state_v_first=True)
+        state.copy_(final)
+        return o.view(-1).to(v.dtype)
+    o = v.new_empty(HV * V)
+    BV = min(8, triton.next_power_of_2(V))      # as fla's wrapper launches it
+    fused_recurrent_gated_delta_rule_fwd_kernel[(triton.cdiv(V, BV) * HV,)](
+        q=q, k=k, v=v, g=a, gk=None, gv=None, beta=b, A_log=m.A_log, dt_bias=m.dt_bias, o=o, h0=state, ht=state,
+        cu_seqlens=None, scale=K ** -0.5, T=1, H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=True,
+        ALLOW_NEG_EIGVAL=m.allow_neg_eigval, STATE_V_FIRST=True, num_warps=1, num_stages=3)
+    return o
+
+
 class GDNRunner:
     """Drive one GDN causal LM over a ``SpecLACache`` (see module docstring).
 
@@ -112,6 +165,7 @@ class GDNRunner:
         self.graphs = (GraphedForward(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
                        if cuda_graphs else None)
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
+        self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
         self._caches: dict[int, SpecLACache] = {}
 
     @classmethod
@@ -183,6 +237,10 @@ class GDNRunner:
             cache.commit(accepted, path_length=path_length)
 
     def _forward(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
+        if (self.fused_step and parents is None and not hidden_layers and isinstance(input_ids, torch.Tensor)
+                and input_ids.shape == (1, 1)):
+            logits = self._decode_step(input_ids, cache)
+            return RunnerOutput(logits if logits_positions is None else logits[:, logits_positions], ())
         if parents is None:
             cache.advance(input_ids.shape[1])
             all_parents = None
@@ -205,6 +263,30 @@ class GDNRunner:
         if logits_positions is not None:
             h = h[:, logits_positions]
         return RunnerOutput(self.model.lm_head(h), tuple(hidden))
+
+    def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
+        """One token of batch 1 (``supports_fused_step``): per layer, the input projection GEMV (attn norm before
+        it, short conv and window shift after it), the recurrence in place, the output projection (gated norm before
+        it), the MLP's gate|up (residual add and norm before it) and down projection (SwiGLU before it, residual add
+        after it). Rounds where the general path rounds: it computes the same step up to summation order."""
+        cache.advance(1)
+        h = self.model.model.embeddings(input_ids).view(-1)
+        for block, m, layer in zip(self.blocks, self.mixers, cache.layers):
+            proj, conv_weight, conv_bias = fuse_mixer_weights(m)
+            p = ops.gemv(proj, h, norm=(block.attn_norm.weight, block.attn_norm.eps),
+                         conv=(layer.window[0], conv_weight, conv_bias))
+            q, k, v, gate, a, b, _ = torch.split(p, [m.key_dim, m.key_dim, m.value_dim, m.value_dim, m.num_v_heads,
+                                                     m.num_v_heads, proj.shape[0] - 2 * m.key_dim - 2 * m.value_dim
+                                                     - 2 * m.num_v_heads])
+            o = recurrent_step_(m, q, k, v, a, b, layer.state)
+            mixed = ops.gemv(m.o_proj.weight, o, norm=(m.o_norm.weight, m.o_norm.eps), gate=gate)
+            mlp = block.mlp
+            gate_up = _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+            residual = torch.empty_like(h)
+            x = ops.gemv(gate_up, mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=h, add_out=residual)
+            h = ops.gemv(mlp.down_proj.weight, x, swiglu=True, residual=residual)
+        norm = self.model.model.norm
+        return ops.gemv(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps)).view(1, 1, -1)
 
     def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None) -> torch.Tensor:
         m = self.mixers[i]

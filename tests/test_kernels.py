@@ -382,6 +382,63 @@ def test_gated_norm_matches_reference(device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the decode step's GEMVs with their fused prologues / epilogues
+# ----------------------------------------------------------------------------------------------------------------
+# hidden, heads, head_dim (of values), MLP width, conv rows, vocabulary: tiny and awkward on CPU; the 1.3B layer on
+# CUDA (conv rows = q|k|v, a projection of q|k|v|g|a|b padded to 64 rows) and an odd-sized product
+GEMV_SHAPES = {"cpu": dict(hidden=40, heads=3, head_dim=16, inter=56, conv=24, proj=53, vocab=37),
+               "cuda": dict(hidden=2048, heads=6, head_dim=512, inter=5632, conv=6144, proj=9280, vocab=16381)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemv_matches_reference(device, dtype):
+    """Each fused GEMV of the decode step against ``gemv_ref``: input projection (norm before, short conv and window
+    shift after), output projection (gated head norm before), gate|up (residual add and norm before, the sum
+    written out), down projection (SwiGLU before, residual after), LM head (norm before, odd row count)."""
+    from specla_kernels.gemv import gemv
+    s = GEMV_SHAPES[device]
+    gen = seeded(dtype, 'gemv')
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(device, dtype)  # noqa: E731
+    hid, vd, inter = s["hidden"], s["heads"] * s["head_dim"], s["inter"]
+    h, res, norm_w = rnd(hid), rnd(hid), rnd(hid).abs() + 0.5
+    head_w = rnd(s["head_dim"]).abs() + 0.5
+    cases = {
+        "in_proj": (rnd(s["proj"], hid, scale=hid ** -0.5), h,
+                    dict(norm=(norm_w, 1e-6), conv=(rnd(s["conv"], 4), rnd(s["conv"], 4), rnd(s["conv"])))),
+        "in_proj_no_conv_bias": (rnd(s["proj"], hid, scale=hid ** -0.5), h,
+                                 dict(norm=(norm_w, 1e-6), conv=(rnd(s["conv"], 4), rnd(s["conv"], 4), None))),
+        "o_proj": (rnd(hid, vd, scale=vd ** -0.5), rnd(vd), dict(norm=(head_w, 1e-5), gate=rnd(vd + 7)[3:3 + vd])),
+        "gate_up": (rnd(2 * inter, hid, scale=hid ** -0.5), h, dict(norm=(norm_w, 1e-6), add=res)),
+        "down": (rnd(hid, inter, scale=inter ** -0.5), rnd(2 * inter), dict(swiglu=True, residual=res)),
+        "lm_head": (rnd(s["vocab"], hid, scale=hid ** -0.5), h, dict(norm=(norm_w, 1e-6))),
+        "plain": (rnd(s["vocab"], inter), rnd(inter), {}),
+    }
+    # the interpreter casts fp32 to bf16 by truncation (compiled kernels round to nearest): one ulp more per cast
+    tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]
+    for name, (w, x, fused) in cases.items():
+        outs = []
+        for fn in (gemv, ref.gemv_ref):
+            kw = dict(fused)
+            if "conv" in kw:
+                kw["conv"] = (kw["conv"][0].clone(), *kw["conv"][1:])
+            if "add" in kw:
+                kw["add_out"] = torch.full_like(h, float("nan"))
+            outs.append((fn(w, x, **kw), kw))
+        (y, kw), (want, kw_ref) = outs
+        assert y.dtype == dtype and y.shape == want.shape, name
+        check(y, want, tol, name)
+        if "conv" in kw:
+            got_w, want_w = kw["conv"][0], kw_ref["conv"][0]
+            assert torch.equal(got_w[:, :-1], want_w[:, :-1]), f"{name}: window shift"
+            check(got_w[:, -1], want_w[:, -1], tol, f"{name}: window's new column")
+        if "add" in kw and tol == TOL[dtype]:
+            assert torch.equal(kw["add_out"], kw_ref["add_out"]), f"{name}: residual sum"
+        elif "add" in kw:
+            check(kw["add_out"], kw_ref["add_out"], tol, f"{name}: residual sum")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # top-k of each row (the drafter's expansion)
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)

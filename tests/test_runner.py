@@ -119,3 +119,38 @@ def test_for_model_rebuilds_the_runner_after_a_dtype_change():
     rebuilt = GDNRunner.for_model(model)
     assert rebuilt is not runner and rebuilt.new_cache(1).layers[0].window.dtype == torch.float64
     model.to(torch.float32)
+
+
+def _spread_norm_weights(model, seed: int) -> None:
+    """fla initialises every norm weight to one; random ones catch a norm weight applied to the wrong elements."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+
+
+@pytest.mark.parametrize("name", [*VARIANTS, "unfused_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_decode_step_equals_general_path(name, dtype):
+    """Batch-1 one-token steps through ``_decode_step`` (fused GEMVs, in-place recurrence) give the general path's
+    logits, state and conv window, step after step; models it cannot compute take the general path."""
+    from specla_hf.gdn import supports_fused_step
+    model = tiny_gdn(seed=6, **SHAPES[name]).to(dtype)
+    _spread_norm_weights(model, 6)
+    fused, general = GDNRunner(model), GDNRunner(model)
+    assert fused.fused_step == supports_fused_step(model) == (name not in ("no_conv", "no_gate", "unfused_norm"))
+    general.fused_step = False
+    caches = fused.new_cache(1), general.new_cache(1)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(6))
+    for runner, cache in zip((fused, general), caches):
+        runner.forward(ids[:, :5], cache, logits_positions=slice(0, 0))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for t in range(5, 12):
+        a, b = (runner.forward(ids[:, t:t + 1], cache).logits for runner, cache in zip((fused, general), caches))
+        torch.testing.assert_close(a, b, **tol)
+        for la, lb in zip(*(c.layers for c in caches)):
+            torch.testing.assert_close(la.state, lb.state, **tol)
+            if la.window is not None:
+                torch.testing.assert_close(la.window, lb.window, **tol)
+    assert caches[0].get_seq_length() == 12

@@ -13,6 +13,7 @@ from specla_kernels import reference
 from specla_kernels import commit as _commit
 from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import gate as _gate
+from specla_kernels import gemv as _gemv
 from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import topk as _topk
 from specla_kernels import tree_conv as _tree_conv
@@ -139,3 +140,11 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None
         return _gated_norm.rms_norm_gated(x, g, weight, bias, eps, activation)
     return reference.rms_norm_gated_ref(x, g, weight, bias, eps, activation)
 
+
+
+def gemv(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
+    """``weight @ f(x)`` for one token with the decode step's norm / SwiGLU / residual / short-conv ops fused around
+    it (see ``gemv_ref`` for the keywords)."""
+    if use_triton(x):
+        return _gemv.gemv(weight, x, **fused)
+    return reference.gemv_ref(weight, x, **fused)

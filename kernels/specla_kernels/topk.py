@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-NO_INDEX = 2 ** 62          # larger than any index: loses every tie, marks an empty slot
+# larger than any index: loses every tie, marks an empty slot (a constexpr: compiled kernels may read no other global)
+NO_INDEX = tl.constexpr(2 ** 62)
 
 
 @triton.jit

@@ -1,0 +1,95 @@
+"""GPU microbenchmark of the decode step's fused GEMVs (``specla_kernels.gemv``) at the fla 1.3B GDN shape, bf16.
+
+    python benchmarks/bench_gemv.py
+
+For each product of a one-token step (input projection with norm + conv, output projection with gated norm, MLP
+gate|up with residual add + norm, down projection with SwiGLU + residual, LM head with norm) it checks the fused
+kernel against ``gemv_ref``, then times it and cuBLAS's plain ``F.linear`` on the same weight (CUDA-graph replays,
+L2 flushed, medians) and reports the weight bandwidth of each. cuBLAS does the product only: the fused ops it leaves
+out are separate kernels in the unfused step. With ``$OUT`` set it writes ``$OUT/bench_gemv.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from specla_kernels import reference as ref
+from specla_kernels.gemv import _tuned_kernel, gemv
+
+HID, H, HV, KD, VD, INTER, VOCAB, W = 2048, 6, 6, 256, 512, 5632, 16384, 4
+CONV = 2 * H * KD + HV * VD
+
+
+def bench(fn) -> float:
+    """Median ms of a CUDA-graph replay of ``fn()`` (compiled / tuned first), L2 flushed between replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+
+
+def main() -> None:
+    dev, dt = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen, device=dev) * s).to(dt)  # noqa: E731
+    h, res, nw = rnd(HID), rnd(HID), rnd(HID).abs() + 0.5
+    proj_rows = -(-(CONV + HV * VD + 2 * HV) // 64) * 64
+    window = rnd(CONV, W)
+    cases = {
+        "in_proj (norm, conv)": (rnd(proj_rows, HID, s=HID ** -0.5), h,
+                                 dict(norm=(nw, 1e-6), conv=(window, rnd(CONV, W), None))),
+        "o_proj (gated norm)": (rnd(HID, HV * VD, s=(HV * VD) ** -0.5), rnd(HV * VD),
+                                dict(norm=(rnd(VD).abs() + 0.5, 1e-5), gate=rnd(HV * VD))),
+        "gate_up (add, norm)": (rnd(2 * INTER, HID, s=HID ** -0.5), h,
+                                dict(norm=(nw, 1e-6), add=res, add_out=torch.empty_like(h))),
+        "down (swiglu, residual)": (rnd(HID, INTER, s=INTER ** -0.5), rnd(2 * INTER), dict(swiglu=True, residual=res)),
+        "lm_head (norm)": (rnd(VOCAB, HID, s=HID ** -0.5), h, dict(norm=(nw, 1e-6))),
+    }
+    rows, layer_fused, layer_cublas = [], 0.0, 0.0
+    for name, (w, x, kw) in cases.items():
+        saved = window.clone()
+        y = gemv(w, x, **kw)
+        window_k = window.clone()
+        window.copy_(saved)
+        want = ref.gemv_ref(w, x, **kw)
+        err = ((y.float() - want.float()).norm() / want.float().norm()).item()
+        if "conv" in kw:
+            err = max(err, ((window_k.float() - window.float()).norm() / window.float().norm()).item())
+        rhs = x[:w.shape[1]]
+        t_fused = bench(lambda: gemv(w, x, **kw))
+        t_cublas = bench(lambda: F.linear(rhs, w))
+        nbytes = w.numel() * w.element_size()
+        row = dict(name=name, N=w.shape[0], K=w.shape[1], MB=nbytes / 2**20, fused_us=t_fused * 1e3,
+                   cublas_us=t_cublas * 1e3, fused_GBps=nbytes / t_fused / 1e6, cublas_GBps=nbytes / t_cublas / 1e6,
+                   rel_err=err)
+        rows.append(row)
+        if not name.startswith("lm_head"):
+            layer_fused += t_fused
+            layer_cublas += t_cublas
+        print(json.dumps(row), flush=True)
+    configs = {str(k): str(v) for k, v in _tuned_kernel.cache.items()}
+    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows,
+               layer_fused_us=layer_fused * 1e3, layer_cublas_us=layer_cublas * 1e3, tuned_configs=configs)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_gemv.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    print(f"\n{out['device']}, triton {triton.__version__}; CUDA-graph replays, L2 flushed, medians")
+    print("\n| product | N x K | MB | fused us | fused GB/s | cuBLAS us (product only) | cuBLAS GB/s | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['N']} x {r['K']} | {r['MB']:.1f} | {r['fused_us']:.1f} | {r['fused_GBps']:.0f} "
+              f"| {r['cublas_us']:.1f} | {r['cublas_GBps']:.0f} | {r['rel_err']:.1e} |")
+    print(f"\none layer's four products: fused {layer_fused * 1e3:.1f} us, cuBLAS {layer_cublas * 1e3:.1f} us "
+          f"(x21 layers: {21 * layer_fused:.3f} vs {21 * layer_cublas:.3f} ms)")
+    for k, v in configs.items():
+        print("tuned", k, "->", v)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Every SpecLA Triton kernel compiles for the H200 (sm_90), checked on a machine without a GPU.
+
+The interpreter (``TRITON_INTERPRET=1``) runs kernels as Python and accepts code the compiler refuses (a non-constexpr
+global read inside a kernel failed only on the GPU, costing a device call). Here each kernel wrapper is called at the
+1.3B layer's shapes with its launch intercepted: the arguments it would launch with are turned into a signature and
+compiled ahead of time to a cubin for ``GPUTarget("cuda", 90, 32)`` with Triton's bundled ptxas. Nothing runs.
+"""
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from specla_kernels.tree_delta import INTERPRETED
+
+pytestmark = pytest.mark.skipif(INTERPRETED, reason="compiles kernels: needs Triton without the interpreter")
+
+TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+            torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Record ``(kernel, arguments, launch options)`` instead of launching."""
+    recorded = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = dict(zip(self.arg_names, args)) | kwargs
+        recorded.append((self, bound, options))
+
+    monkeypatch.setattr(JITFunction, "run", record)
+    return recorded
+
+
+def compile_for_h200(fn: JITFunction, bound: dict, options: dict) -> None:
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        value = bound[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + TL_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.asm.get("cubin"), fn.__name__
+
+
+def _call_every_wrapper():
+    """Each SpecLA kernel wrapper once per distinct compile (1.3B layer shapes, bf16 model, fp32 state)."""
+    from specla_kernels import commit, draft_expand, gate, gated_norm, gemv, topk, tree_conv, tree_delta
+    bf, f32 = torch.bfloat16, torch.float32
+    H, K, V, D, W, N = 6, 256, 512, 2 * 6 * 256 + 6 * 512, 4, 64
+    z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype)                  # noqa: E731
+    parents = torch.arange(-1, N - 1).view(1, N)
+    state = z(1, H, V, K, dtype=f32)
+    for n, dtype in ((16, bf), (64, bf), (128, bf), (32, f32)):
+        tree_delta.tree_gated_delta_rule(z(1, n, H, K, dtype=dtype), z(1, n, H, K, dtype=dtype),
+                                         z(1, n, H, V, dtype=dtype), z(1, n, H, dtype=f32), z(1, n, H, dtype=f32),
+                                         parents[:, :n], state)
+    gate.gdn_gate_beta(z(1, N, H), z(1, N, H), z(H, dtype=f32), z(H, dtype=f32))
+    gated_norm.rms_norm_gated(z(1, N, H, V), z(1, N, H, V), z(V), None, 1e-5)
+    x = z(1, N, D)
+    tree_conv.tree_conv(x, z(D, W), None, z(1, D, W), parents, x_out=z(1, N, D))
+    commit.commit_states_([state, state.clone()], [z(1, N, H, K, dtype=f32)] * 2, [z(1, N, H, V, dtype=f32)] * 2,
+                          [z(1, N, H, dtype=f32)] * 2, parents, torch.zeros(1, dtype=torch.long))
+    commit.commit_windows_([x, x.clone()], [z(1, D, W), z(1, D, W)], parents, torch.zeros(1, dtype=torch.long))
+    topk.row_topk(z(4, 16384), 4)
+    draft_expand.expand_frontier(z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long), z(4, dtype=f32),
+                                 torch.zeros(4, dtype=torch.long), z(3, 64, dtype=torch.float64),
+                                 torch.zeros(64, dtype=torch.long), torch.zeros(64, dtype=torch.long),
+                                 z(4, dtype=f32), torch.zeros(4, dtype=torch.long), 5, 0)
+    hid, w = 2048, z(2048)
+    gemv.gemv(z(9280, hid), z(hid), norm=(w, 1e-6), conv=(z(D, W), z(D, W), None))
+    gemv.gemv(z(hid, H * V), z(H * V), norm=(z(V), 1e-5), gate=z(H * V))
+    gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid))
+    gemv.gemv(z(hid, 5632), z(2 * 5632), swiglu=True, residual=z(hid))
+
+
+def test_every_kernel_compiles_for_sm90(launches):
+    _call_every_wrapper()
+    names = {fn.__name__ for fn, _, _ in launches}
+    assert {"tree_gdn_fwd_kernel", "gate_beta_kernel", "rms_norm_gated_kernel", "tree_conv_kernel",
+            "commit_weights_kernel", "row_topk_slices_kernel", "row_topk_merge_kernel", "expand_frontier_kernel",
+            "gemv_kernel"} <= names, names
+    seen = set()
+    for fn, bound, options in launches:
+        key = (fn.__name__, repr(sorted((k, v if not isinstance(v, torch.Tensor) else v.dtype)
+                                        for k, v in bound.items())))
+        if key not in seen:
+            seen.add(key)
+            compile_for_h200(fn, bound, options)
