@@ -129,7 +129,9 @@ class DraftBuffers:
         node[chosen] = torch.arange(1, n + 1, device=score.device)
         up = parent[chosen].long()
         self.tree[0, :1] = self.tokens[:1]
-        self.tree[1, 0], self.tree[2, 0] = -1, 0
+        # fill_, not item assignment: assigning a Python number copies a host scalar tensor, which a capture refuses
+        self.tree[1, :1].fill_(-1)
+        self.tree[2, :1].fill_(0)
         self.tree[0, 1:n + 1] = token[chosen]
         self.tree[1, 1:n + 1] = torch.where(up >= 0, node[up.clamp(min=0)], 0)
         self.tree[2, 1:n + 1] = score[chosen]

@@ -12,10 +12,12 @@ bandwidth. Here each GEMV applies the op that produced its input (prologue) and 
   causal conv: shift them into the ``window [C, W]`` in place, emit ``silu(conv)``).
 
 Every intermediate is rounded to the model dtype where the unfused ops round it, so the fused step computes what
-the stock layer computes up to the GEMV's summation order. One program owns ``BN`` output rows and streams its
-``[BN, K]`` block of ``W`` (rows contiguous along ``K``) with no split-K: a row's sum has one owner, so results are
-deterministic, and a conv row's window has one writer. Prologue reductions (the norm statistics) are recomputed by
-every program from ``x`` (a few KB, cache-resident): cheaper than a launch.
+the stock layer computes up to the GEMV's summation order. One program owns ``BN`` output rows and loads its whole
+``[BN, K]`` block of ``W`` at once (``K <= 16384``; the input is one register tile): a batch-1 GEMV is bound by how
+many bytes are in flight, and a K loop without ``tl.dot`` is not software-pipelined, so each of its iterations
+waited a full memory latency (session 4 measured that version at 0.8-2.1 TB/s). No split-K: a row's sum has one
+owner, so results are deterministic, and a conv row's window has one writer. Prologue reductions (norm statistics)
+are recomputed by every program from ``x`` (a few KB, cache-resident): cheaper than a launch.
 """
 from __future__ import annotations
 
@@ -29,100 +31,80 @@ NORM = tl.constexpr(1)
 NORM_ADD = tl.constexpr(2)
 GATED_NORM = tl.constexpr(3)
 SWIGLU = tl.constexpr(4)
+NO_EPILOGUE = tl.constexpr(0)
 RESIDUAL = tl.constexpr(1)
 CONV = tl.constexpr(2)
 
 
 @triton.jit
-def _rhs(x, x2, norm_w, gate, cols, m_cols, k0, rstd, eps, PRO: tl.constexpr, HEAD_DIM: tl.constexpr, K):
-    """The right-hand side's values at ``cols`` (fp32, rounded to the model dtype like the unfused op's output)."""
-    xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
-    if PRO == NORM:
-        r = xv * rstd * tl.load(norm_w + cols, mask=m_cols, other=0.).to(tl.float32)
-    elif PRO == NORM_ADD:
-        xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
-        r = xv * rstd * tl.load(norm_w + cols, mask=m_cols, other=0.).to(tl.float32)
-    elif PRO == GATED_NORM:
-        # this chunk lies in one head (BK divides HEAD_DIM): that head's statistic from its HEAD_DIM values
-        head = (k0 // HEAD_DIM) * HEAD_DIM + tl.arange(0, HEAD_DIM)
-        hv = tl.load(x + head).to(tl.float32)
-        h_rstd = 1 / tl.sqrt(tl.sum(hv * hv, 0) / HEAD_DIM + eps)
-        gv = tl.load(gate + cols, mask=m_cols, other=0.).to(tl.float32)
-        r = xv * h_rstd * tl.load(norm_w + cols % HEAD_DIM, mask=m_cols, other=0.).to(tl.float32)
-        r = r * gv * tl.sigmoid(gv)
-    elif PRO == SWIGLU:
-        up = tl.load(x + K + cols, mask=m_cols, other=0.).to(tl.float32)
-        r = xv * tl.sigmoid(xv) * up
-    else:
-        r = xv
-    return r.to(x.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
 def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, window, conv_w, conv_b, C,
-                PRO: tl.constexpr, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                W: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                PRO: tl.constexpr, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KR: tl.constexpr,
+                KC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr):
+    # the whole input as a [KR, KC] tile (KC = the head size for a gated norm: one head per row), the program's
+    # weight rows as [BN, KR, KC], loaded at once: every byte a program needs is in flight together
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     m_rows = rows < N
-    rstd = 0.
+    cols = tl.arange(0, KR)[:, None] * KC + tl.arange(0, KC)[None, :]
+    m_cols = cols < K
+    wt = tl.load(w + rows.to(tl.int64)[:, None, None] * stride_w + cols[None, :, :],
+                 mask=m_rows[:, None, None] & m_cols[None, :, :], other=0.)
+    xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
+    if PRO == NORM_ADD:
+        xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
+        if pid == 0:                                 # the residual stream after the add, for the next residual
+            tl.store(add_out + cols, xv.to(add_out.dtype.element_ty), mask=m_cols)
     if PRO == NORM or PRO == NORM_ADD:
-        # the mean square of the whole input (every program; program 0 also writes x + x2 for the later residual)
-        sq = tl.zeros([BK], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            m_cols = cols < K
-            xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
-            if PRO == NORM_ADD:
-                xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
-                if pid == 0:
-                    tl.store(add_out + cols, xv.to(add_out.dtype.element_ty), mask=m_cols)
-            sq += xv * xv
-        rstd = 1 / tl.sqrt(tl.sum(sq, 0) / K + eps)
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
-    w_rows = w + rows.to(tl.int64)[:, None] * stride_w
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        m_cols = cols < K
-        r = _rhs(x, x2, norm_w, gate, cols, m_cols, k0, rstd, eps, PRO, HEAD_DIM, K)
-        wt = tl.load(w_rows + cols[None, :], mask=m_rows[:, None] & m_cols[None, :], other=0.)
-        acc += wt.to(tl.float32) * r[None, :]
-    out = tl.sum(acc, 1).to(y.dtype.element_ty)                 # the product, rounded as the unfused GEMM's output
+        rstd = 1 / tl.sqrt(tl.sum(tl.sum(xv * xv, 1), 0) / K + eps)
+        rhs = xv * rstd * tl.load(norm_w + cols, mask=m_cols, other=0.).to(tl.float32)
+    elif PRO == GATED_NORM:
+        h_rstd = 1 / tl.sqrt(tl.sum(xv * xv, 1) / KC + eps)                  # one statistic per head (row)
+        gv = tl.load(gate + cols, mask=m_cols, other=0.).to(tl.float32)
+        rhs = xv * h_rstd[:, None] * tl.load(norm_w + tl.arange(0, KC)).to(tl.float32)[None, :]
+        rhs = rhs * gv * tl.sigmoid(gv)
+    elif PRO == SWIGLU:
+        up = tl.load(x + K + cols, mask=m_cols, other=0.).to(tl.float32)
+        rhs = xv * tl.sigmoid(xv) * up
+    else:
+        rhs = xv
+    rhs = rhs.to(x.dtype.element_ty).to(tl.float32)        # rounded as the unfused op's output
+    out = tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1).to(y.dtype.element_ty)   # the GEMM's rounding
     if EPI == RESIDUAL:
         out = (out.to(tl.float32) + tl.load(res + rows, mask=m_rows, other=0.).to(tl.float32)).to(y.dtype.element_ty)
     elif EPI == CONV:
+        # rows < C are raw conv inputs: window [C, W] (newest last) -> [window[1:], out], conv, SiLU
         m_conv = m_rows & (rows < C)
-        base = rows.to(tl.int64) * W
-        conv = tl.zeros([BN], dtype=tl.float32)
-        for j in tl.static_range(W - 1):                        # oldest tap first
-            prev = tl.load(window + base + j + 1, mask=m_conv, other=0.)
-            conv += prev.to(tl.float32) * tl.load(conv_w + base + j, mask=m_conv, other=0.).to(tl.float32)
-            tl.store(window + base + j, prev, mask=m_conv)
-        conv += out.to(tl.float32) * tl.load(conv_w + base + W - 1, mask=m_conv, other=0.).to(tl.float32)
-        tl.store(window + base + W - 1, out.to(window.dtype.element_ty), mask=m_conv)
+        taps = tl.arange(0, WP)[None, :]
+        base = rows.to(tl.int64)[:, None] * W
+        shifted = tl.load(window + base + taps + 1, mask=m_conv[:, None] & (taps < W - 1), other=0.)
+        cw = tl.load(conv_w + base + taps, mask=m_conv[:, None] & (taps < W), other=0.).to(tl.float32)
+        new = tl.where(taps == W - 1, out.to(tl.float32)[:, None], shifted.to(tl.float32))
+        conv = tl.sum(new * cw, 1)
         if HAS_CONV_BIAS:
             conv += tl.load(conv_b + rows, mask=m_conv, other=0.).to(tl.float32)
+        # every thread holding a copy of a row must read its window before any writes it back shifted
+        tl.debug_barrier()
+        tl.store(window + base + taps, new.to(window.dtype.element_ty), mask=m_conv[:, None] & (taps < W))
         out = tl.where(m_conv, (conv * tl.sigmoid(conv)).to(y.dtype.element_ty), out)
     tl.store(y + rows, out, mask=m_rows)
 
 
-# (BN, BK, warps): narrow row blocks give the N = hidden-size products (o_proj, down_proj) enough programs to fill
-# the GPU without split-K; wide K blocks keep enough bytes in flight per program
-_CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=nw)
-            for bn, bk, nw in [(2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4), (8, 512, 8),
-                               (16, 256, 4), (16, 512, 8), (32, 128, 4)]]
+MAX_K = 16384       # the whole input is one tile: up to 64 elements per thread for one row at 8 warps
+
+
+def _configs():
+    """(rows per program, warps): the weight tile is ``BN * K`` elements, kept to <= 64 per thread by ``_prune``."""
+    return [triton.Config({"BN": bn}, num_warps=nw) for bn in (1, 2, 4, 8) for nw in (2, 4, 8)]
 
 
 def _prune(configs, named_args, **kwargs):
-    """A gated-norm prologue needs each K block inside one head: BK divides the head size."""
-    head_dim, pro = kwargs["HEAD_DIM"], kwargs["PRO"]
-    if pro != 3:
-        return configs
-    return [c for c in configs if head_dim % c.kwargs["BK"] == 0] or [triton.Config({"BN": 4, "BK": head_dim})]
+    elems = kwargs["KR"] * kwargs["KC"]
+    ok = [c for c in configs if c.kwargs["BN"] * elems <= 64 * 32 * c.num_warps]
+    return ok or [min(configs, key=lambda c: c.kwargs["BN"] / c.num_warps)]
 
 
 # tuned per shape and mode on first use (a conv epilogue rewrites its window: the tuner restores it between trials)
-_tuned_kernel = triton.autotune(_CONFIGS, key=["N", "K", "PRO", "EPI", "HEAD_DIM"], restore_value=["window"],
+_tuned_kernel = triton.autotune(_configs(), key=["N", "K", "PRO", "EPI", "KC"], restore_value=["window"],
                                 prune_configs_by={"early_config_prune": _prune})(gemv_kernel)
 
 
@@ -132,22 +114,30 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
          conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Triton twin of ``gemv_ref``; arguments are 1-D vectors (one token of batch 1), see the module docstring."""
     N, K = weight.shape
-    head_dim = norm[0].numel() if gate is not None else 1
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"the gated-norm prologue needs a power-of-two head size, got {head_dim}")
-    pro = 4 if swiglu else 3 if gate is not None else 2 if add is not None else 1 if norm is not None else 0
-    epi = 2 if conv is not None else 1 if residual is not None else 0
+    if K > MAX_K:
+        raise ValueError(f"gemv keeps the whole input in registers: at most {MAX_K} columns, got {K}")
+    if gate is not None:
+        KC = norm[0].numel()
+        if KC & (KC - 1) or K % KC:
+            raise ValueError(f"the gated-norm prologue needs a power-of-two head size dividing {K}, got {KC}")
+        KR = triton.next_power_of_2(K // KC)
+    else:
+        KC = min(512, triton.next_power_of_2(K))
+        KR = triton.cdiv(triton.next_power_of_2(K), KC)
+    pro = (SWIGLU if swiglu else GATED_NORM if gate is not None else NORM_ADD if add is not None else
+           NORM if norm is not None else PLAIN).value
+    epi = (CONV if conv is not None else RESIDUAL if residual is not None else NO_EPILOGUE).value
     window, conv_w, conv_b = conv if conv is not None else (x, x, None)
+    W = window.shape[-1] if conv is not None else 1
     y = x.new_empty(N)
     args = (weight, x, y, N, K, weight.stride(0), add if add is not None else x, add_out if add_out is not None else x,
             norm[0] if norm is not None else x, gate if gate is not None else x, norm[1] if norm is not None else 0.,
             residual if residual is not None else x, window, conv_w, conv_b if conv_b is not None else x,
             window.shape[0] if conv is not None else 0)
-    consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None, HEAD_DIM=head_dim,
-                  W=window.shape[-1] if conv is not None else 1)
+    consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None,
+                  KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W))
     if x.is_cuda:
         _tuned_kernel[lambda meta: (triton.cdiv(N, meta["BN"]),)](*args, **consts)
-    else:  # the interpreter (tests): one small configuration
-        bk = min(64, head_dim) if gate is not None else 64
-        gemv_kernel[(triton.cdiv(N, 4),)](*args, **consts, BN=4, BK=bk)
+    else:  # the interpreter (tests): one configuration
+        gemv_kernel[(triton.cdiv(N, 2),)](*args, **consts, BN=2)
     return y
