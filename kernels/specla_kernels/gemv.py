@@ -37,18 +37,27 @@ CONV = tl.constexpr(2)
 
 
 @triton.jit
+def _weight_block(w, blk, N, stride_w, cols, m_cols, BN: tl.constexpr):
+    """Rows ``blk * BN ..`` of ``W`` as a ``[BN, KR, KC]`` tile (all masked for a block past the end)."""
+    rows = blk * BN + tl.arange(0, BN)
+    return tl.load(w + rows.to(tl.int64)[:, None, None] * stride_w + cols[None, :, :],
+                   mask=(rows < N)[:, None, None] & m_cols[None, :, :], other=0.)
+
+
+@triton.jit
 def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, window, conv_w, conv_b, C,
                 PRO: tl.constexpr, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KR: tl.constexpr,
-                KC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr):
-    # the whole input as a [KR, KC] tile (KC = the head size for a gated norm: one head per row), the program's
-    # weight rows as [BN, KR, KC], loaded at once: every byte a program needs is in flight together
+                KC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, PER_SM: tl.constexpr):
+    # The input is one [KR, KC] register tile (KC = the head size for a gated norm: a head per row). A program owns
+    # the row blocks pid, pid + G, ... (G programs; PER_SM sets G at launch) and loads each block's whole
+    # [BN, KR, KC] weight tile at once, the next block's while it reduces this one: the memory pipe never waits for
+    # a reduction, and the prologue is computed once per program.
     pid = tl.program_id(0)
-    rows = pid * BN + tl.arange(0, BN)
-    m_rows = rows < N
+    G = tl.num_programs(0)
+    n_blocks = tl.cdiv(N, BN)
     cols = tl.arange(0, KR)[:, None] * KC + tl.arange(0, KC)[None, :]
     m_cols = cols < K
-    wt = tl.load(w + rows.to(tl.int64)[:, None, None] * stride_w + cols[None, :, :],
-                 mask=m_rows[:, None, None] & m_cols[None, :, :], other=0.)
+    wt = _weight_block(w, pid, N, stride_w, cols, m_cols, BN)
     xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
     if PRO == NORM_ADD:
         xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
@@ -68,39 +77,56 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
     else:
         rhs = xv
     rhs = rhs.to(x.dtype.element_ty).to(tl.float32)        # rounded as the unfused op's output
-    out = tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1).to(y.dtype.element_ty)   # the GEMM's rounding
-    if EPI == RESIDUAL:
-        out = (out.to(tl.float32) + tl.load(res + rows, mask=m_rows, other=0.).to(tl.float32)).to(y.dtype.element_ty)
-    elif EPI == CONV:
-        # rows < C are raw conv inputs: window [C, W] (newest last) -> [window[1:], out], conv, SiLU
-        m_conv = m_rows & (rows < C)
-        taps = tl.arange(0, WP)[None, :]
-        base = rows.to(tl.int64)[:, None] * W
-        shifted = tl.load(window + base + taps + 1, mask=m_conv[:, None] & (taps < W - 1), other=0.)
-        cw = tl.load(conv_w + base + taps, mask=m_conv[:, None] & (taps < W), other=0.).to(tl.float32)
-        new = tl.where(taps == W - 1, out.to(tl.float32)[:, None], shifted.to(tl.float32))
-        conv = tl.sum(new * cw, 1)
-        if HAS_CONV_BIAS:
-            conv += tl.load(conv_b + rows, mask=m_conv, other=0.).to(tl.float32)
-        # every thread holding a copy of a row must read its window before any writes it back shifted
-        tl.debug_barrier()
-        tl.store(window + base + taps, new.to(window.dtype.element_ty), mask=m_conv[:, None] & (taps < W))
-        out = tl.where(m_conv, (conv * tl.sigmoid(conv)).to(y.dtype.element_ty), out)
-    tl.store(y + rows, out, mask=m_rows)
+    for blk in range(pid, n_blocks, G):
+        wt_next = _weight_block(w, blk + G, N, stride_w, cols, m_cols, BN)
+        rows = blk * BN + tl.arange(0, BN)
+        m_rows = rows < N
+        out = tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1).to(y.dtype.element_ty)  # the GEMM's rounding
+        if EPI == RESIDUAL:
+            out = (out.to(tl.float32) + tl.load(res + rows, mask=m_rows, other=0.).to(tl.float32)).to(
+                y.dtype.element_ty)
+        elif EPI == CONV:
+            # rows < C are raw conv inputs: window [C, W] (newest last) -> [window[1:], out], conv, SiLU
+            m_conv = m_rows & (rows < C)
+            taps = tl.arange(0, WP)[None, :]
+            base = rows.to(tl.int64)[:, None] * W
+            shifted = tl.load(window + base + taps + 1, mask=m_conv[:, None] & (taps < W - 1), other=0.)
+            cw = tl.load(conv_w + base + taps, mask=m_conv[:, None] & (taps < W), other=0.).to(tl.float32)
+            new = tl.where(taps == W - 1, out.to(tl.float32)[:, None], shifted.to(tl.float32))
+            conv = tl.sum(new * cw, 1)
+            if HAS_CONV_BIAS:
+                conv += tl.load(conv_b + rows, mask=m_conv, other=0.).to(tl.float32)
+            # every thread holding a copy of a row must read its window before any writes it back shifted
+            tl.debug_barrier()
+            tl.store(window + base + taps, new.to(window.dtype.element_ty), mask=m_conv[:, None] & (taps < W))
+            out = tl.where(m_conv, (conv * tl.sigmoid(conv)).to(y.dtype.element_ty), out)
+        tl.store(y + rows, out, mask=m_rows)
+        wt = wt_next
 
 
-MAX_K = 16384       # the whole input is one tile: up to 64 elements per thread for one row at 8 warps
+MAX_K = 16384       # the whole input is one register tile
 
 
 def _configs():
-    """(rows per program, warps): the weight tile is ``BN * K`` elements, kept to <= 64 per thread by ``_prune``."""
-    return [triton.Config({"BN": bn}, num_warps=nw) for bn in (1, 2, 4, 8) for nw in (2, 4, 8)]
+    """(rows per block, warps, programs per SM; 0: one program per block)."""
+    return [triton.Config({"BN": bn, "PER_SM": per_sm}, num_warps=nw)
+            for bn in (1, 2, 4, 8) for nw in (4, 8) for per_sm in (0, 2, 4)]
 
 
 def _prune(configs, named_args, **kwargs):
+    """Two weight tiles live per program (this block's, the next one's): at most 32 elements each per thread."""
     elems = kwargs["KR"] * kwargs["KC"]
-    ok = [c for c in configs if c.kwargs["BN"] * elems <= 64 * 32 * c.num_warps]
+    ok = [c for c in configs if c.kwargs["BN"] * elems <= 32 * 32 * c.num_warps]
     return ok or [min(configs, key=lambda c: c.kwargs["BN"] / c.num_warps)]
+
+
+def _grid(N: int, device: torch.device):
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def grid(meta):
+        blocks = triton.cdiv(N, meta["BN"])
+        return (blocks if meta["PER_SM"] == 0 else min(blocks, sms * meta["PER_SM"]),)
+    return grid
 
 
 # tuned per shape and mode on first use (a conv epilogue rewrites its window: the tuner restores it between trials)
@@ -137,7 +163,7 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
     consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None,
                   KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W))
     if x.is_cuda:
-        _tuned_kernel[lambda meta: (triton.cdiv(N, meta["BN"]),)](*args, **consts)
+        _tuned_kernel[_grid(N, x.device)](*args, **consts)
     else:  # the interpreter (tests): one configuration
-        gemv_kernel[(triton.cdiv(N, 2),)](*args, **consts, BN=2)
+        gemv_kernel[(min(3, triton.cdiv(N, 2)),)](*args, **consts, BN=2, PER_SM=1)   # several blocks per program
     return y
