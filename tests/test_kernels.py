@@ -413,6 +413,7 @@ def test_gemv_matches_reference(device, dtype):
         "down": (rnd(hid, inter, scale=inter ** -0.5), rnd(2 * inter), dict(swiglu=True, residual=res)),
         "lm_head": (rnd(s["vocab"], hid, scale=hid ** -0.5), h, dict(norm=(norm_w, 1e-6))),
         "plain": (rnd(s["vocab"], inter), rnd(inter), {}),
+        "small": (rnd(45, 33), rnd(33), dict(norm=(rnd(33).abs() + 0.5, 1e-6), residual=rnd(45))),   # untuned path
     }
     # the interpreter casts fp32 to bf16 by truncation (compiled kernels round to nearest): one ulp more per cast
     tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]

@@ -105,6 +105,7 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
 
 
 MAX_K = 16384       # the whole input is one register tile
+TUNE_BYTES = 8 * 2**20   # products with smaller weights run one fixed launch shape: tuning would cost compiles
 
 
 def _configs():
@@ -132,18 +133,12 @@ def _grid(N: int, device: torch.device):
     return grid
 
 
-_flush: dict[torch.device, torch.Tensor] = {}
-
-
 def _cold_bench(kernel_call, quantiles=(0.5, 0.2, 0.8), **_) -> list[float]:
     """Time ``kernel_call`` as a model runs it: its weights not in L2. Triton's default benchmark empties L2 by
     *writing* a large buffer, so the timed kernel pays for writing those dirty lines back (session 4 measured
     configurations chosen that way up to 2.3x slower than the best in a model's back-to-back sequence); here L2 is
     emptied by *reading* 256 MiB (clean lines). Returns the requested quantiles in ms."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _flush:
-        _flush[device] = torch.ones(64 * 2**20, dtype=torch.float32, device=device)
-    flush = _flush[device]
+    flush = torch.ones(64 * 2**20, dtype=torch.float32, device="cuda")   # back to the allocator's cache after
     kernel_call()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(25)]
     for start, end in events:
@@ -189,8 +184,10 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
             window.shape[0] if conv is not None else 0)
     consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None,
                   KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W))
-    if x.is_cuda:
+    if x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES:
         _tuned_kernel[_grid(N, x.device)](*args, **consts)
+    elif x.is_cuda:      # a small product (a small model, a drafter): one reasonable shape, no tuning compiles
+        gemv_kernel[_grid(N, x.device)({"BN": 2, "PER_SM": 4})](*args, **consts, BN=2, PER_SM=4, num_warps=4)
     else:  # the interpreter (tests): one configuration
         gemv_kernel[(min(3, triton.cdiv(N, 2)),)](*args, **consts, BN=2, PER_SM=1)   # several blocks per program
     return y
