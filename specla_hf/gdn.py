@@ -34,6 +34,7 @@ from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.cuda_graphs import (DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward, num_tokens,
                                    pad_tokens, to_device, tree_bucket)
 from specla_kernels import ops
+from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 
 def _fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: int = 1) -> torch.Tensor:
@@ -96,9 +97,14 @@ def check_gdn_model(model, role: str = "target") -> None:
 def supports_fused_step(model: GatedDeltaNetForCausalLM) -> bool:
     """Whether ``GDNRunner._decode_step`` computes this model's one-token step: fla's default block layout (fused
     pre-norm residual adds, bias-free RMSNorms and projections, short conv with SiLU, swish-gated output norm with
-    power-of-two heads, SwiGLU MLP). Other layouts take the general path."""
+    power-of-two heads, SwiGLU MLP) with inputs of at most 16384 features. Other models take the general path."""
     def plain_norm(n):
         return isinstance(n, RMSNorm) and n.weight is not None and n.bias is None
+
+    # the GEMVs hold their whole input in registers
+    if max(model.config.hidden_size, *(m.value_dim for m in (b.attn for b in model.model.layers)),
+           *(b.mlp.down_proj.in_features for b in model.model.layers)) > GEMV_MAX_K:
+        return False
 
     def no_bias(*linears):
         return all(lin.bias is None for lin in linears)

@@ -154,3 +154,19 @@ def test_fused_decode_step_equals_general_path(name, dtype):
             if la.window is not None:
                 torch.testing.assert_close(la.window, lb.window, **tol)
     assert caches[0].get_seq_length() == 12
+
+
+def test_inputs_wider_than_the_gemv_tile_take_the_general_path(monkeypatch):
+    """The fused GEMVs keep the whole input in registers: a wider model is not given the fused step."""
+    import specla_hf.gdn as gdn
+    model = tiny_gdn(seed=7)
+    assert gdn.supports_fused_step(model)
+    monkeypatch.setattr(gdn, "GEMV_MAX_K", model.config.hidden_size - 1)
+    assert not gdn.supports_fused_step(model)
+    runner = GDNRunner(model)
+    assert not runner.fused_step
+    ids = torch.randint(0, 97, (1, 6))
+    cache = runner.new_cache(1)
+    runner.forward(ids[:, :5], cache, logits_positions=slice(0, 0))
+    torch.testing.assert_close(runner.forward(ids[:, 5:], cache).logits[:, -1], model(ids).logits[:, -1],
+                               rtol=1e-4, atol=1e-5)
