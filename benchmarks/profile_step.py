@@ -4,6 +4,8 @@ Times, as the decoding loops run them (CUDA-graph replays through ``GDNRunner`` 
 median of many replays after warm-up):
 - ``ar_step``: the target consuming one token (our autoregressive step);
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
+  ``verify_N_fused``: the same with ``GDNRunner.fused_verify`` (the products carrying the small ops), with its
+  logits' distance from the default's;
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
   ``draft_proposal_tree`` / ``draft_proposal_chain``: a whole proposal (every depth, the selection) as the loop issues it;
@@ -164,16 +166,42 @@ def main():
         cache.discard()
     res["profile_verify16"] = kernel_profile(eager_verify)
 
+    trees = {}
     for n in (4, 8, 16, 25, 32, 64):
         # host tensors, as the decoding loop passes them (padded to the bucket and copied in by the runner)
         parents = random_tree(n, gen)
         ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen)
+        trees[n] = ids, parents
 
         def verify():
             runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
             cache.discard()
         res[f"verify_{n}"] = cuda_ms(verify)
         res[f"verify_{n}_host_us"] = host_us(verify)
+    # A/B: the same trees through the fused verify products (GDNRunner.fused_verify, off by default until this shows
+    # it faster), a second runner with its own graphs and cache; and how far its logits are from the default's
+    fused = GDNRunner(big)
+    fused.fused_verify = True
+    fcache = fused.new_cache(1)
+    fused.forward(prompt, fcache, logits_positions=slice(0, 0))
+    for n, (ids, parents) in trees.items():
+        def fused_verify():
+            fused.forward(ids, fcache, parents=parents, hidden_layers=(1, 2, 21))
+            fcache.discard()
+        res[f"verify_{n}_fused"] = cuda_ms(fused_verify)
+    ids, parents = trees[32]
+    want = runner.forward(ids, cache, parents=parents).logits.float().clone()
+    cache.discard()
+    got = fused.forward(ids, fcache, parents=parents).logits.float()
+    fcache.discard()
+    res["verify_32_fused_logits_rel_err"] = ((got - want).norm() / want.norm()).item()
+    res["verify_32_fused_argmax_equal"] = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+
+    def eager_fused_verify():
+        fused._forward(ids16, fcache, tree16, None, (1, 2, 21))
+        fcache.discard()
+    res["profile_verify16_fused"] = kernel_profile(eager_fused_verify)
+    del fused, fcache
     # the pieces of a verify call's host time (64-node bucket): the graph launch alone, one host-to-GPU input copy
     g = runner.graphs.last_tree
     res["verify_64_graph_launch_host_us"] = host_us(g.graph.replay)
@@ -243,7 +271,7 @@ def main():
     for k, v in res.items():
         if isinstance(v, float):
             print(f"| {k} | {v:.3f} |")
-    for name in ("profile", "profile_verify16"):
+    for name in ("profile", "profile_verify16", "profile_verify16_fused"):
         p = res[name]
         print(f"| {name}: eager kernels | {p['kernels']} (summed GPU time {p['gpu_ms']:.3f} ms) |")
     for name in ("loop_ar", "loop_tree", "loop_tree_default", "loop_chain_default"):

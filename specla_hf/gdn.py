@@ -171,7 +171,12 @@ class GDNRunner:
         self.graphs = (GraphedForward(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
                        if cuda_graphs else None)
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
-        self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
+        self.fusable = supports_fused_step(model)
+        self.fused_step = self.fusable                 # tests turn it off to compare with the general path
+        # verify passes with the products carrying the small ops (``_verify_block``): tested against the general
+        # path on CPU and under the Triton interpreter, not yet timed on a GPU, so off until profile_step's A/B
+        # (``verify_N_fused``) shows it faster (docs/results.md, session 4)
+        self.fused_verify = False
         self._caches: dict[int, SpecLACache] = {}
 
     @classmethod
@@ -252,23 +257,30 @@ class GDNRunner:
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
+        fused = self.fused_verify and self.fusable and parents is not None and input_ids.shape[0] == 1
         h = self.model.model.embeddings(input_ids)
         hidden = [h] if 0 in hidden_layers else []
         for i, block in enumerate(self.blocks):
-            residual = h
-            x = self._mixer(i, block.attn_norm(h), cache.layers[i], all_parents)
-            if self.config.fuse_norm:
-                x, residual = block.mlp_norm(x, residual=residual, prenorm=True)
+            if fused:
+                h = self._verify_block(i, h, cache.layers[i], all_parents)
             else:
-                residual = residual + x
-                x = block.mlp_norm(residual)
-            h = residual + self._mlp(i, x)
+                residual = h
+                x = self._mixer(i, block.attn_norm(h), cache.layers[i], all_parents)
+                if self.config.fuse_norm:
+                    x, residual = block.mlp_norm(x, residual=residual, prenorm=True)
+                else:
+                    residual = residual + x
+                    x = block.mlp_norm(residual)
+                h = residual + self._mlp(i, x)
             if i + 1 in hidden_layers:
                 hidden.append(h)
-        h = self.model.model.norm(h)
         if logits_positions is not None:
             h = h[:, logits_positions]
-        return RunnerOutput(self.model.lm_head(h), tuple(hidden))
+        norm = self.model.model.norm
+        if fused:
+            return RunnerOutput(ops.linear_rows(self.model.lm_head.weight, h[0], norm=(norm.weight, norm.eps))[None],
+                                tuple(hidden))
+        return RunnerOutput(self.model.lm_head(norm(h)), tuple(hidden))
 
     def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
         """One token of batch 1 (``supports_fused_step``): per layer, the input projection GEMV (attn norm before
@@ -297,11 +309,31 @@ class GDNRunner:
     def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None) -> torch.Tensor:
         m = self.mixers[i]
         B, T, _ = h.shape
-        proj, conv_weight, conv_bias = fuse_mixer_weights(m)
-        # one GEMM for all input projections; x (the raw pre-conv q|k|v inputs) and the rest are column views of it
-        # (fla's kernels and the torch path take strided rows)
+        proj, _, _ = fuse_mixer_weights(m)
+        # one GEMM for all input projections (the recurrence takes column views of it)
+        o, gate = self._recurrence(i, F.linear(h, proj), layer, parents)
+        if m.use_gate and parents is not None:
+            # the gate is a column slice of the projection GEMM: our gated norm reads it in place (fla's copies it)
+            o = ops.rms_norm_gated(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim), m.o_norm.weight,
+                                   m.o_norm.bias, m.o_norm.eps, m.o_norm.activation)
+        elif m.use_gate:
+            o = m.o_norm(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim))
+        else:
+            o = m.o_norm(o.to(h.dtype))
+        return m.o_proj(o.reshape(B, T, m.value_dim))
+
+    def _recurrence(self, i: int, projected: torch.Tensor, layer: SpecLALayer,
+                    parents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mixer ``i`` between its fused input projection (``projected [B, T, rows]``) and its output norm: the
+        short conv and the delta rule (fla's stock kernels when consuming tokens; tree conv, tree kernel and factors
+        when verifying nodes). Returns ``o [B, T, HV, V]`` and the output gate, a column view ``[B, T, value_dim]``
+        of ``projected`` (None without a gate)."""
+        m = self.mixers[i]
+        B, T, _ = projected.shape
+        _, conv_weight, conv_bias = fuse_mixer_weights(m)
+        # x (the raw pre-conv q|k|v inputs) and the rest are column views (fla's kernels and ours take strided rows)
         sizes = [2 * m.key_dim + m.value_dim, m.value_dim if m.use_gate else 0, m.num_v_heads, m.num_v_heads]
-        x, gate, a, b, _ = torch.split(F.linear(h, proj), sizes + [proj.shape[0] - sum(sizes)], -1)
+        x, gate, a, b, _ = torch.split(projected, sizes + [projected.shape[-1] - sum(sizes)], -1)
         if not m.use_short_conv:
             y = F.silu(x)
         elif parents is None:
@@ -335,16 +367,25 @@ class GDNRunner:
             prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix)
             layer.add_factors(k_hat, u, g, x)
+        return o, (gate if m.use_gate else None)
 
-        if m.use_gate and parents is not None:
-            # the gate is a column slice of the projection GEMM: our gated norm reads it in place (fla's copies it)
-            o = ops.rms_norm_gated(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim), m.o_norm.weight,
-                                   m.o_norm.bias, m.o_norm.eps, m.o_norm.activation)
-        elif m.use_gate:
-            o = m.o_norm(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim))
-        else:
-            o = m.o_norm(o.to(h.dtype))
-        return m.o_proj(o.reshape(B, T, m.value_dim))
+    def _verify_block(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor) -> torch.Tensor:
+        """Block ``i`` over the tree nodes of one sequence (``h [1, T, hidden]``), its four products carrying the
+        small ops around them (``ops.linear_rows``): attn norm before the input projection, the gated head norm
+        before the output projection, the pre-norm residual add + norm before gate|up, SwiGLU before and the
+        residual after down. Rounds where ``_forward``'s general path rounds."""
+        block, m, mlp = self.blocks[i], self.mixers[i], self.blocks[i].mlp
+        rows = h[0]
+        proj, _, _ = fuse_mixer_weights(m)
+        projected = ops.linear_rows(proj, rows, norm=(block.attn_norm.weight, block.attn_norm.eps))
+        o, gate = self._recurrence(i, projected[None], layer, parents)
+        mixed = ops.linear_rows(m.o_proj.weight, o.to(h.dtype).reshape(rows.shape[0], m.value_dim),
+                                norm=(m.o_norm.weight, m.o_norm.eps), gate=gate[0])
+        gate_up = _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+        residual = torch.empty_like(rows)
+        x = ops.linear_rows(gate_up, mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=rows,
+                            add_out=residual)
+        return ops.linear_rows(mlp.down_proj.weight, x, swiglu=True, residual=residual)[None]
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Block ``i``'s fla ``GatedMLP`` with gate_proj and up_proj as one GEMM (``_fused_rows``), then exactly
