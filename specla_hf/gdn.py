@@ -101,15 +101,15 @@ def supports_fused_step(model: GatedDeltaNetForCausalLM) -> bool:
     def plain_norm(n):
         return isinstance(n, RMSNorm) and n.weight is not None and n.bias is None
 
-    # the GEMVs hold their whole input in registers
-    if max(model.config.hidden_size, *(m.value_dim for m in (b.attn for b in model.model.layers)),
-           *(b.mlp.down_proj.in_features for b in model.model.layers)) > GEMV_MAX_K:
-        return False
-
     def no_bias(*linears):
         return all(lin.bias is None for lin in linears)
 
-    for block in model.model.layers:
+    blocks = model.model.layers
+    widths = [model.config.hidden_size] + [b.attn.value_dim for b in blocks] + [b.mlp.down_proj.in_features
+                                                                                for b in blocks]
+    if max(widths) > GEMV_MAX_K:          # the GEMVs hold their whole input in registers
+        return False
+    for block in blocks:
         m, mlp = block.attn, block.mlp
         if not (m.use_short_conv and m.use_gate and m.q_conv1d.activation in ("silu", "swish")
                 and isinstance(m.o_norm, FusedRMSNormGated) and m.o_norm.weight is not None
