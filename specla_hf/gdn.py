@@ -72,6 +72,18 @@ def fuse_mixer_weights(m: GatedDeltaNet) -> tuple[torch.Tensor, torch.Tensor | N
     return proj, weight, bias
 
 
+def fuse_mlp_weights(mlp: GatedMLP) -> torch.Tensor:
+    """An MLP's gate_proj and up_proj rows as one ``[gate | up, hidden]`` weight (see ``_fused_rows``; idempotent)."""
+    return _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
+def projection_columns(m: GatedDeltaNet, projected: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Column views of a mixer's fused input projection output (``[..., rows]``): the raw q|k|v conv inputs, the
+    output gate (empty without ``use_gate``), and the decay and write-strength inputs ``a``, ``b``."""
+    sizes = [2 * m.key_dim + m.value_dim, m.value_dim if m.use_gate else 0, m.num_v_heads, m.num_v_heads]
+    return torch.split(projected, sizes + [projected.shape[-1] - sum(sizes)], -1)[:4]
+
+
 @dataclass
 class RunnerOutput:
     logits: torch.Tensor                       # [B, T, vocab] (fp32 upcast is the caller's choice)
@@ -293,15 +305,14 @@ class GDNRunner:
             proj, conv_weight, conv_bias = fuse_mixer_weights(m)
             p = ops.gemv(proj, h, norm=(block.attn_norm.weight, block.attn_norm.eps),
                          conv=(layer.window[0], conv_weight, conv_bias))
-            q, k, v, gate, a, b, _ = torch.split(p, [m.key_dim, m.key_dim, m.value_dim, m.value_dim, m.num_v_heads,
-                                                     m.num_v_heads, proj.shape[0] - 2 * m.key_dim - 2 * m.value_dim
-                                                     - 2 * m.num_v_heads])
+            y, gate, a, b = projection_columns(m, p)          # y: q|k|v after the conv epilogue
+            q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim])
             o = recurrent_step_(m, q, k, v, a, b, layer.state)
             mixed = ops.gemv(m.o_proj.weight, o, norm=(m.o_norm.weight, m.o_norm.eps), gate=gate)
             mlp = block.mlp
-            gate_up = _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
             residual = torch.empty_like(h)
-            x = ops.gemv(gate_up, mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=h, add_out=residual)
+            x = ops.gemv(fuse_mlp_weights(mlp), mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=h,
+                         add_out=residual)
             h = ops.gemv(mlp.down_proj.weight, x, swiglu=True, residual=residual)
         norm = self.model.model.norm
         return ops.gemv(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps)).view(1, 1, -1)
@@ -331,9 +342,8 @@ class GDNRunner:
         m = self.mixers[i]
         B, T, _ = projected.shape
         _, conv_weight, conv_bias = fuse_mixer_weights(m)
-        # x (the raw pre-conv q|k|v inputs) and the rest are column views (fla's kernels and ours take strided rows)
-        sizes = [2 * m.key_dim + m.value_dim, m.value_dim if m.use_gate else 0, m.num_v_heads, m.num_v_heads]
-        x, gate, a, b, _ = torch.split(projected, sizes + [projected.shape[-1] - sum(sizes)], -1)
+        # column views: fla's kernels and ours take strided rows
+        x, gate, a, b = projection_columns(m, projected)
         if not m.use_short_conv:
             y = F.silu(x)
         elif parents is None:
@@ -381,18 +391,18 @@ class GDNRunner:
         o, gate = self._recurrence(i, projected[None], layer, parents)
         mixed = ops.linear_rows(m.o_proj.weight, o.to(h.dtype).reshape(rows.shape[0], m.value_dim),
                                 norm=(m.o_norm.weight, m.o_norm.eps), gate=gate[0])
-        gate_up = _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
         residual = torch.empty_like(rows)
-        x = ops.linear_rows(gate_up, mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=rows,
-                            add_out=residual)
+        x = ops.linear_rows(fuse_mlp_weights(mlp), mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps),
+                            add=rows, add_out=residual)
         return ops.linear_rows(mlp.down_proj.weight, x, swiglu=True, residual=residual)[None]
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Block ``i``'s fla ``GatedMLP`` with gate_proj and up_proj as one GEMM (``_fused_rows``), then exactly
-        ``GatedMLP.forward``'s SwiGLU and down_proj (``specla_hf.backend``'s torch path where that is chosen)."""
+        """Block ``i``'s fla ``GatedMLP`` with gate_proj and up_proj as one GEMM (``fuse_mlp_weights``), then
+        exactly ``GatedMLP.forward``'s SwiGLU and down_proj (``specla_hf.backend``'s torch path where that is
+        chosen)."""
         mlp: GatedMLP = self.blocks[i].mlp
         if mlp.hidden_act != "swish":
             return mlp(x)
-        gate_up = _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
-        gate, up = F.linear(x, gate_up).chunk(2, -1)        # strided halves: fla's SwiGLU reads them in place
+        # strided halves: fla's SwiGLU reads them in place
+        gate, up = F.linear(x, fuse_mlp_weights(mlp)).chunk(2, -1)
         return backend.gated_mlp_down(mlp, gate, up)

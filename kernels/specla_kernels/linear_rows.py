@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specla_kernels.gemv import GATED_NORM, NO_EPILOGUE, NORM, NORM_ADD, PLAIN, RESIDUAL, SWIGLU, TUNE_BYTES, _cold_bench
+from specla_kernels.gemv import (GATED_NORM, NO_EPILOGUE, NORM, NORM_ADD, PLAIN, RESIDUAL, SWIGLU, TUNE_BYTES,
+                                 _cold_bench)
 from specla_kernels.tree_delta import INTERPRETED
 
 MAX_ROWS = 128

@@ -13,9 +13,9 @@ from specla_kernels import reference
 from specla_kernels import commit as _commit
 from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import gate as _gate
+from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import gemv as _gemv
 from specla_kernels import linear_rows as _linear_rows
-from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import topk as _topk
 from specla_kernels import tree_conv as _tree_conv
 from specla_kernels import tree_delta as _tree_delta
@@ -140,7 +140,6 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None
     if use_triton(x):
         return _gated_norm.rms_norm_gated(x, g, weight, bias, eps, activation)
     return reference.rms_norm_gated_ref(x, g, weight, bias, eps, activation)
-
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:

@@ -323,7 +323,6 @@ def rms_norm_gated_ref(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | 
     return y.to(x.dtype)
 
 
-
 def gemv_ref(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
              add: torch.Tensor | None = None, add_out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
              swiglu: bool = False, residual: torch.Tensor | None = None,
