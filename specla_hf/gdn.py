@@ -185,10 +185,6 @@ class GDNRunner:
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
         self.fusable = supports_fused_step(model)
         self.fused_step = self.fusable                 # tests turn it off to compare with the general path
-        # verify passes with the products carrying the small ops (``_verify_block``): tested against the general
-        # path on CPU and under the Triton interpreter, not yet timed on a GPU, so off until profile_step's A/B
-        # (``verify_N_fused``) shows it faster (docs/results.md, session 4)
-        self.fused_verify = False
         self._caches: dict[int, SpecLACache] = {}
 
     @classmethod
@@ -269,30 +265,22 @@ class GDNRunner:
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
-        fused = self.fused_verify and self.fusable and parents is not None and input_ids.shape[0] == 1
         h = self.model.model.embeddings(input_ids)
         hidden = [h] if 0 in hidden_layers else []
         for i, block in enumerate(self.blocks):
-            if fused:
-                h = self._verify_block(i, h, cache.layers[i], all_parents)
+            residual = h
+            x = self._mixer(i, block.attn_norm(h), cache.layers[i], all_parents)
+            if self.config.fuse_norm:
+                x, residual = block.mlp_norm(x, residual=residual, prenorm=True)
             else:
-                residual = h
-                x = self._mixer(i, block.attn_norm(h), cache.layers[i], all_parents)
-                if self.config.fuse_norm:
-                    x, residual = block.mlp_norm(x, residual=residual, prenorm=True)
-                else:
-                    residual = residual + x
-                    x = block.mlp_norm(residual)
-                h = residual + self._mlp(i, x)
+                residual = residual + x
+                x = block.mlp_norm(residual)
+            h = residual + self._mlp(i, x)
             if i + 1 in hidden_layers:
                 hidden.append(h)
         if logits_positions is not None:
             h = h[:, logits_positions]
-        norm = self.model.model.norm
-        if fused:
-            return RunnerOutput(ops.linear_rows(self.model.lm_head.weight, h[0], norm=(norm.weight, norm.eps))[None],
-                                tuple(hidden))
-        return RunnerOutput(self.model.lm_head(norm(h)), tuple(hidden))
+        return RunnerOutput(self.model.lm_head(self.model.model.norm(h)), tuple(hidden))
 
     def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
         """One token of batch 1 (``supports_fused_step``): per layer, the input projection GEMV (attn norm before
@@ -378,23 +366,6 @@ class GDNRunner:
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix)
             layer.add_factors(k_hat, u, g, x)
         return o, (gate if m.use_gate else None)
-
-    def _verify_block(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor) -> torch.Tensor:
-        """Block ``i`` over the tree nodes of one sequence (``h [1, T, hidden]``), its four products carrying the
-        small ops around them (``ops.linear_rows``): attn norm before the input projection, the gated head norm
-        before the output projection, the pre-norm residual add + norm before gate|up, SwiGLU before and the
-        residual after down. Rounds where ``_forward``'s general path rounds."""
-        block, m, mlp = self.blocks[i], self.mixers[i], self.blocks[i].mlp
-        rows = h[0]
-        proj, _, _ = fuse_mixer_weights(m)
-        projected = ops.linear_rows(proj, rows, norm=(block.attn_norm.weight, block.attn_norm.eps))
-        o, gate = self._recurrence(i, projected[None], layer, parents)
-        mixed = ops.linear_rows(m.o_proj.weight, o.to(h.dtype).reshape(rows.shape[0], m.value_dim),
-                                norm=(m.o_norm.weight, m.o_norm.eps), gate=gate[0])
-        residual = torch.empty_like(rows)
-        x = ops.linear_rows(fuse_mlp_weights(mlp), mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps),
-                            add=rows, add_out=residual)
-        return ops.linear_rows(mlp.down_proj.weight, x, swiglu=True, residual=residual)[None]
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Block ``i``'s fla ``GatedMLP`` with gate_proj and up_proj as one GEMM (``fuse_mlp_weights``), then

@@ -439,41 +439,6 @@ def test_gemv_matches_reference(device, dtype):
             check(kw["add_out"], kw_ref["add_out"], tol, f"{name}: residual sum")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_linear_rows_matches_reference(device, dtype):
-    """The verify pass's fused products (rows of tree nodes) against ``gemv_ref``: input projection (norm before),
-    output projection (gated head norm before; the gate a column slice of a wider projection, read in place),
-    gate|up (residual add and norm before, the sum written out), down projection (SwiGLU before, residual after),
-    a plain product; row counts 1 to 64, not only powers of two."""
-    from specla_kernels.linear_rows import linear_rows
-    s = GEMV_SHAPES[device]
-    gen = seeded(dtype, 'linear_rows')
-    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(device, dtype)  # noqa: E731
-    hid, vd, inter = s["hidden"], s["heads"] * s["head_dim"], s["inter"]
-    norm_w, head_w = rnd(hid).abs() + 0.5, rnd(s["head_dim"]).abs() + 0.5
-    tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]      # the interpreter truncates fp32 -> bf16 casts
-    for M in (1, 5, 16, 33, 64):
-        h, res = rnd(M, hid), rnd(M, hid)
-        wide = rnd(M, s["proj"] + vd)                      # the gate: a column slice of the projection output
-        cases = {
-            "in_proj": (rnd(s["proj"], hid, scale=hid ** -0.5), h, dict(norm=(norm_w, 1e-6))),
-            "o_proj": (rnd(hid, vd, scale=vd ** -0.5), rnd(M, vd),
-                       dict(norm=(head_w, 1e-5), gate=wide[:, s["proj"]:])),
-            "gate_up": (rnd(2 * inter, hid, scale=hid ** -0.5), h, dict(norm=(norm_w, 1e-6), add=res)),
-            "down": (rnd(hid, inter, scale=inter ** -0.5), rnd(M, 2 * inter), dict(swiglu=True, residual=res)),
-            "plain": (rnd(s["vocab"], hid), h, {}),
-        }
-        for name, (w, x, fused) in cases.items():
-            got_sum, want_sum = torch.full_like(h, float("nan")), torch.full_like(h, float("nan"))
-            y = linear_rows(w, x, **fused, **(dict(add_out=got_sum) if "add" in fused else {}))
-            want = ref.gemv_ref(w, x, **fused, **(dict(add_out=want_sum) if "add" in fused else {}))
-            assert y.dtype == dtype and y.shape == (M, w.shape[0]), name
-            check(y, want, tol, f"{name} M={M}")
-            if "add" in fused:
-                check(got_sum, want_sum, tol, f"{name} M={M}: residual sum")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # top-k of each row (the drafter's expansion)
 # ----------------------------------------------------------------------------------------------------------------

@@ -170,38 +170,3 @@ def test_inputs_wider_than_the_gemv_tile_take_the_general_path(monkeypatch):
     runner.forward(ids[:, :5], cache, logits_positions=slice(0, 0))
     torch.testing.assert_close(runner.forward(ids[:, 5:], cache).logits[:, -1], model(ids).logits[:, -1],
                                rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", [*VARIANTS])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_verify_equals_general_path(name, dtype):
-    """A verify pass through ``_verify_block`` (products carrying the norms, SwiGLU and residuals) gives the general
-    path's logits, hidden states and factors, on a random tree and on a second tree hanging off pending nodes; the
-    commit after it gives the same state. Models it cannot compute take the general path."""
-    model = tiny_gdn(seed=8, **SHAPES[name]).to(dtype)
-    _spread_norm_weights(model, 8)
-    fused, general = GDNRunner(model), GDNRunner(model)
-    fused.fused_verify = True
-    assert fused.fusable == (name not in ("no_conv", "no_gate"))
-    caches = fused.new_cache(1), general.new_cache(1)
-    gen = torch.Generator().manual_seed(8)
-    ids = torch.randint(0, 97, (1, 6), generator=gen)
-    for runner, cache in zip((fused, general), caches):
-        runner.forward(ids, cache, logits_positions=slice(0, 0))
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    first = torch.tensor([random_parents(9, "bushy", gen)])
-    second = torch.tensor([[3, 9, 9, 10]])                 # hangs off the first tree's pending nodes
-    for parents in (first, second):
-        nodes = torch.randint(0, 97, parents.shape, generator=gen)
-        a, b = (runner.forward(nodes, cache, parents=parents, hidden_layers=(1, 2))
-                for runner, cache in zip((fused, general), caches))
-        torch.testing.assert_close(a.logits, b.logits, **tol)
-        for ha, hb in zip(a.hidden_states, b.hidden_states):
-            torch.testing.assert_close(ha, hb, **tol)
-        for la, lb in zip(*(c.layers for c in caches)):
-            for fa, fb in zip((la.k_hat, la.u, la.g, la.x), (lb.k_hat, lb.u, lb.g, lb.x)):
-                torch.testing.assert_close(fa, fb, **tol)
-    for cache in caches:
-        cache.commit(12)                     # node 12: the first tree's path to its node 3, then nodes 9, 10, 12
-    for la, lb in zip(*(c.layers for c in caches)):
-        torch.testing.assert_close(la.state, lb.state, **tol)

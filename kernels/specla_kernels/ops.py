@@ -15,7 +15,6 @@ from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import gate as _gate
 from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import gemv as _gemv
-from specla_kernels import linear_rows as _linear_rows
 from specla_kernels import topk as _topk
 from specla_kernels import tree_conv as _tree_conv
 from specla_kernels import tree_delta as _tree_delta
@@ -149,10 +148,3 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
         return _gemv.gemv(weight, x, **fused)
     return reference.gemv_ref(weight, x, **fused)
 
-
-def linear_rows(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
-    """``gemv``'s twin for the rows of ``x [M, K]`` (a verify pass's nodes, ``M <= 128``): ``y [M, N]`` with the
-    norm / SwiGLU prologues and the residual epilogue fused (see ``gemv_ref``; no conv)."""
-    if use_triton(x) and x.shape[0] <= _linear_rows.MAX_ROWS:
-        return _linear_rows.linear_rows(weight, x, **fused)
-    return reference.gemv_ref(weight, x, **fused)

@@ -327,24 +327,22 @@ def gemv_ref(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor,
              add: torch.Tensor | None = None, add_out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
              swiglu: bool = False, residual: torch.Tensor | None = None,
              conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
-    """``weight [N, K] @ f(x)`` for one token (1-D ``x``) or for the rows of ``x [M, K]`` (a verify pass's nodes;
-    ``y [M, N]``), with the ops around a decode step's GEMV:
+    """``weight [N, K] @ f(x)`` for one token (1-D ``x``), with the ops around a decode step's GEMV:
 
     - ``f`` (at most one): RMSNorm ``norm = (weight, eps)`` of ``x`` or of ``x + add`` (the sum, rounded, goes to
       ``add_out``: fla's pre-norm residual add); with ``gate``, fla's gated RMSNorm of each ``norm``-weight-sized head
       (swish gate); ``swiglu``: ``x = [gate | up]`` of length ``2K`` -> ``silu(gate) * up``;
-    - then ``residual`` is added to the output, or (1-D only) ``conv = (window [C, W], conv_weight [C, W], bias)``:
-      outputs ``< C`` are raw conv inputs, shifted into ``window`` in place (newest last), replaced by ``silu(conv)``.
+    - then ``residual`` is added to the output, or ``conv = (window [C, W], conv_weight [C, W], bias)``: output rows
+      ``< C`` are raw conv inputs, shifted into ``window`` in place (newest last) and replaced by ``silu(conv)``.
 
     Intermediates are rounded to ``x``'s dtype where the unfused ops (fla's norm, SwiGLU, conv; the GEMM) round."""
     dtype = x.dtype
     if swiglu:
-        g, up = x.float().chunk(2, -1)
+        g, up = x.float().chunk(2)
         rhs = (F.silu(g) * up).to(dtype)
     elif gate is not None:
         D = norm[0].numel()
-        rhs = rms_norm_gated_ref(x.reshape(-1, D), gate.reshape(-1, D), norm[0], None, norm[1], "swish")
-        rhs = rhs.view(x.shape)
+        rhs = rms_norm_gated_ref(x.view(-1, D), gate.reshape(-1, D), norm[0], None, norm[1], "swish").view(-1)
     elif add is not None:
         rhs, total = rms_norm_ref(x, norm[0], None, norm[1], residual=add, prenorm=True)
         add_out.copy_(total)
