@@ -3,11 +3,11 @@
     python benchmarks/bench_gemv.py
 
 For each product of a one-token step (input projection with norm + conv, output projection with gated norm, MLP
-gate|up with residual add + norm, down projection with SwiGLU + residual, LM head with norm), and the same products
-over 16 and 32 rows as a verify pass runs them (``linear_rows``; the conv is the tree conv's there), it checks the
+gate|up with residual add + norm, down projection with SwiGLU + residual, LM head with norm), it checks the
 fused kernel against ``gemv_ref``, then times it and cuBLAS's plain ``F.linear`` on the same weight, 21 copies of it run
 back to back in one CUDA graph as a model's 21 layers run (so weights stream from HBM; medians of 60 replays), and
-reports the weight bandwidth of each. cuBLAS does the product only: the fused ops it leaves
+reports the weight bandwidth of each; and the fused chain once more with programmatic dependent launch off (each
+kernel waiting for the previous one to end). cuBLAS does the product only: the fused ops it leaves
 out are separate kernels in the unfused step. With ``$OUT`` set it writes ``$OUT/bench_gemv.json``.
 """
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from specla_kernels import reference as ref
+from specla_kernels import gemv as gemv_module, reference as ref
 from specla_kernels.gemv import _tuned_kernel, gemv
-from specla_kernels.linear_rows import _tuned_kernel as _tuned_rows, linear_rows
 
 HID, H, HV, KD, VD, INTER, VOCAB, W, LAYERS = 2048, 6, 6, 256, 512, 5632, 16384, 4, 21
 CONV = 2 * H * KD + HV * VD
@@ -66,56 +65,52 @@ def main() -> None:
         "lm_head (norm)": (rnd(VOCAB, HID, s=HID ** -0.5), h, dict(norm=(nw, 1e-6))),
     }
     rows = []
-    for M in (1, 16, 32):         # the one-token step's GEMVs, then a verify pass's products over M tree nodes
-        for name, (w, x, kw) in cases.items():
-            if M > 1:
-                if "conv" in kw:  # a tree's conv is its own kernel: the verify product has the norm only
-                    kw = dict(norm=kw["norm"])
-                x = x.expand(M, -1).contiguous()
-                kw = {k: (v.expand(M, -1).contiguous() if k in ("gate", "add", "residual") else
-                          torch.empty(M, HID, dtype=dt, device=dev) if k == "add_out" else v) for k, v in kw.items()}
-            rows.append(measure(name, w, x, kw, window))
-            print(json.dumps(rows[-1]), flush=True)
-    configs = {f"{k} -> {v}" for kernel in (_tuned_kernel, _tuned_rows) for k, v in kernel.cache.items()}
-    layer = {M: [sum(r[f"{m}_us"] for r in rows if r["M"] == M and not r["name"].startswith("lm_head"))
-                 for m in ("fused", "cublas")] for M in (1, 16, 32)}
+    for name, (w, x, kw) in cases.items():
+        rows.append(measure(name, w, x, kw, window))
+        print(json.dumps(rows[-1]), flush=True)
+    configs = {f"{k} -> {v}" for k, v in _tuned_kernel.cache.items()}
+    layer = {m: sum(r[f"{m}_us"] for r in rows if not r["name"].startswith("lm_head"))
+             for m in ("fused", "fused_no_pdl", "cublas")}
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows,
-               layer_us={M: dict(fused=f, cublas=c) for M, (f, c) in layer.items()}, tuned_configs=sorted(configs))
+               layer_us=layer, tuned_configs=sorted(configs))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_gemv.json"), "w") as f:
             json.dump(out, f, indent=1)
     print(f"\n{out['device']}, triton {triton.__version__}; per product, over 21 weight copies in one CUDA graph")
-    print("\n| rows | product | N x K | MB | fused us | fused GB/s | cuBLAS us (product only) | cuBLAS GB/s | rel err |")
+    print("\n| product | N x K | MB | fused us | fused GB/s | fused, no PDL us | cuBLAS us (product only) "
+          "| cuBLAS GB/s | rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['M']} | {r['name']} | {r['N']} x {r['K']} | {r['MB']:.1f} | {r['fused_us']:.1f} "
-              f"| {r['fused_GBps']:.0f} | {r['cublas_us']:.1f} | {r['cublas_GBps']:.0f} | {r['rel_err']:.1e} |")
-    for M, (f, c) in layer.items():
-        print(f"rows {M}: one layer's four products: fused {f:.1f} us, cuBLAS {c:.1f} us "
-              f"(x21 layers: {21 * f / 1e3:.3f} vs {21 * c / 1e3:.3f} ms)")
+        print(f"| {r['name']} | {r['N']} x {r['K']} | {r['MB']:.1f} | {r['fused_us']:.1f} "
+              f"| {r['fused_GBps']:.0f} | {r['fused_no_pdl_us']:.1f} | {r['cublas_us']:.1f} | {r['cublas_GBps']:.0f} "
+              f"| {r['rel_err']:.1e} |")
+    print("one layer's four products: " + ", ".join(f"{m} {t:.1f} us (x21: {21 * t / 1e3:.3f} ms)"
+                                                     for m, t in layer.items()))
     for c in sorted(configs):
         print("tuned", c)
 
 
 def measure(name: str, w: torch.Tensor, x: torch.Tensor, kw: dict, window: torch.Tensor) -> dict:
-    """Check the fused product (``gemv`` for one row, ``linear_rows`` for several) against ``gemv_ref``, then time
-    it and cuBLAS's bare product over 21 copies of ``w``."""
-    fused = gemv if x.dim() == 1 else linear_rows
+    """Check the fused product against ``gemv_ref``, then time it (with and without PDL) and cuBLAS's bare product
+    over 21 copies of ``w``."""
     saved = window.clone()
-    y = fused(w, x, **kw)
+    y = gemv(w, x, **kw)
     window_k = window.clone()
     window.copy_(saved)
     want = ref.gemv_ref(w, x, **kw)
     err = ((y.float() - want.float()).norm() / want.float().norm()).item()
     if "conv" in kw:
         err = max(err, ((window_k.float() - window.float()).norm() / window.float().norm()).item())
-    rhs = x[..., :w.shape[1]]
+    rhs = x[:w.shape[1]]
     copies = [w] + [w.clone() for _ in range(LAYERS - 1)]
-    t_fused = bench([lambda c=c: fused(c, x, **kw) for c in copies])
+    t_fused = bench([lambda c=c: gemv(c, x, **kw) for c in copies])
+    gemv_module.USE_PDL = False           # the same chain, each kernel waiting for the previous one to end
+    t_no_pdl = bench([lambda c=c: gemv(c, x, **kw) for c in copies])
+    gemv_module.USE_PDL = True
     t_cublas = bench([lambda c=c: F.linear(rhs, c) for c in copies])
     nbytes = w.numel() * w.element_size()
-    return dict(name=name, M=1 if x.dim() == 1 else x.shape[0], N=w.shape[0], K=w.shape[1], MB=nbytes / 2**20,
-                fused_us=t_fused * 1e3, cublas_us=t_cublas * 1e3, fused_GBps=nbytes / t_fused / 1e6,
+    return dict(name=name, N=w.shape[0], K=w.shape[1], MB=nbytes / 2**20, fused_us=t_fused * 1e3,
+                fused_no_pdl_us=t_no_pdl * 1e3, cublas_us=t_cublas * 1e3, fused_GBps=nbytes / t_fused / 1e6,
                 cublas_GBps=nbytes / t_cublas / 1e6, rel_err=err)
 
 

@@ -4,8 +4,8 @@ Times, as the decoding loops run them (CUDA-graph replays through ``GDNRunner`` 
 median of many replays after warm-up):
 - ``ar_step``: the target consuming one token (our autoregressive step);
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
-  ``verify_N_fused``: the same with ``GDNRunner.fused_verify`` (the products carrying the small ops), with its
-  logits' distance from the default's;
+- ``ar_step_no_pdl``: ``ar_step`` from a graph captured with programmatic dependent launch off
+  (``specla_kernels.gemv.USE_PDL``), the A/B for the GEMVs' early start;
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
   ``draft_proposal_tree`` / ``draft_proposal_chain``: a whole proposal (every depth, the selection) as the loop issues it;
@@ -33,6 +33,7 @@ from specla_hf.cuda_graphs import copy_in
 from specla_hf.eagle import _BlockRunner
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
+from specla_kernels import gemv as gemv_module
 
 
 def cuda_ms(fn, reps: int = 50, warmup: int = 5) -> float:
@@ -158,6 +159,16 @@ def main():
     res["ar_step"] = cuda_ms(lambda: runner.forward(token, cache))
     res["ar_step_host_us"] = host_us(lambda: runner.forward(token, cache))
     res["profile"] = kernel_profile(lambda: runner._forward(token, cache, None, None, ()))
+
+    # A/B: the same step from a second runner (own graph and cache) captured with programmatic dependent launch off
+    gemv_module.USE_PDL = False
+    plain = GDNRunner(big)
+    pcache = plain.new_cache(1)
+    plain.forward(prompt, pcache, logits_positions=slice(0, 0))
+    plain.forward(token, pcache)                           # captures the step's graph
+    gemv_module.USE_PDL = True
+    res["ar_step_no_pdl"] = cuda_ms(lambda: plain.forward(token, pcache))
+    del plain, pcache
     tree16 = random_tree(16, gen).cuda()
     ids16 = torch.randint(0, cfg.vocab_size, (1, 16), generator=gen).cuda()
 
@@ -166,42 +177,16 @@ def main():
         cache.discard()
     res["profile_verify16"] = kernel_profile(eager_verify)
 
-    trees = {}
     for n in (4, 8, 16, 25, 32, 64):
         # host tensors, as the decoding loop passes them (padded to the bucket and copied in by the runner)
         parents = random_tree(n, gen)
         ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen)
-        trees[n] = ids, parents
 
         def verify():
             runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
             cache.discard()
         res[f"verify_{n}"] = cuda_ms(verify)
         res[f"verify_{n}_host_us"] = host_us(verify)
-    # A/B: the same trees through the fused verify products (GDNRunner.fused_verify, off by default until this shows
-    # it faster), a second runner with its own graphs and cache; and how far its logits are from the default's
-    fused = GDNRunner(big)
-    fused.fused_verify = True
-    fcache = fused.new_cache(1)
-    fused.forward(prompt, fcache, logits_positions=slice(0, 0))
-    for n, (ids, parents) in trees.items():
-        def fused_verify():
-            fused.forward(ids, fcache, parents=parents, hidden_layers=(1, 2, 21))
-            fcache.discard()
-        res[f"verify_{n}_fused"] = cuda_ms(fused_verify)
-    ids, parents = trees[32]
-    want = runner.forward(ids, cache, parents=parents).logits.float().clone()
-    cache.discard()
-    got = fused.forward(ids, fcache, parents=parents).logits.float()
-    fcache.discard()
-    res["verify_32_fused_logits_rel_err"] = ((got - want).norm() / want.norm()).item()
-    res["verify_32_fused_argmax_equal"] = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-
-    def eager_fused_verify():
-        fused._forward(ids16, fcache, tree16, None, (1, 2, 21))
-        fcache.discard()
-    res["profile_verify16_fused"] = kernel_profile(eager_fused_verify)
-    del fused, fcache
     # the pieces of a verify call's host time (64-node bucket): the graph launch alone, one host-to-GPU input copy
     g = runner.graphs.last_tree
     res["verify_64_graph_launch_host_us"] = host_us(g.graph.replay)
@@ -271,7 +256,7 @@ def main():
     for k, v in res.items():
         if isinstance(v, float):
             print(f"| {k} | {v:.3f} |")
-    for name in ("profile", "profile_verify16", "profile_verify16_fused"):
+    for name in ("profile", "profile_verify16"):
         p = res[name]
         print(f"| {name}: eager kernels | {p['kernels']} (summed GPU time {p['gpu_ms']:.3f} ms) |")
     for name in ("loop_ar", "loop_tree", "loop_tree_default", "loop_chain_default"):

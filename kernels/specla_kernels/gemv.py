@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # prologue (what turns the input vector into the product's right-hand side) and epilogue kinds
 PLAIN = tl.constexpr(0)
@@ -47,17 +48,26 @@ def _weight_block(w, blk, N, stride_w, cols, m_cols, BN: tl.constexpr):
 @triton.jit
 def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, window, conv_w, conv_b, C,
                 PRO: tl.constexpr, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KR: tl.constexpr,
-                KC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, PER_SM: tl.constexpr):
+                KC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, PER_SM: tl.constexpr,
+                PDL: tl.constexpr):
     # The input is one [KR, KC] register tile (KC = the head size for a gated norm: a head per row). A program owns
     # the row blocks pid, pid + G, ... (G = PER_SM programs per SM, set at launch) and loads each block's whole
     # [BN, KR, KC] weight tile at once, the next block's while it reduces this one: the memory pipe never waits for
     # a reduction, and the prologue is computed once per program.
+    # With PDL (programmatic dependent launch) the next kernel may start as soon as every program of this one has
+    # started, and this one may start before the previous kernel ends: the weights do not depend on it, so the first
+    # block is requested before waiting for the previous kernel's writes (gdc_wait); everything that reads an
+    # activation or writes anything comes after the wait.
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BN)
     cols = tl.arange(0, KR)[:, None] * KC + tl.arange(0, KC)[None, :]
     m_cols = cols < K
     wt = _weight_block(w, pid, N, stride_w, cols, m_cols, BN)
+    if PDL:
+        gdc_wait()
     xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
     if PRO == NORM_ADD:
         xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
@@ -106,6 +116,12 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
 
 MAX_K = 16384       # the whole input is one register tile
 TUNE_BYTES = 8 * 2**20   # products with smaller weights run one fixed launch shape: tuning would cost compiles
+USE_PDL = True           # overlap consecutive GEMVs on sm_90+ (profile_step turns it off for its A/B)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` use programmatic dependent launch (Hopper and later)."""
+    return USE_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _configs():
@@ -182,12 +198,14 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
             norm[0] if norm is not None else x, gate if gate is not None else x, norm[1] if norm is not None else 0.,
             residual if residual is not None else x, window, conv_w, conv_b if conv_b is not None else x,
             window.shape[0] if conv is not None else 0)
+    pdl = pdl_enabled(x.device)
     consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None,
-                  KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W))
+                  KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W), PDL=pdl)
     if x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES:
-        _tuned_kernel[_grid(N, x.device)](*args, **consts)
+        _tuned_kernel[_grid(N, x.device)](*args, **consts, launch_pdl=pdl)
     elif x.is_cuda:      # a small product (a small model, a drafter): one reasonable shape, no tuning compiles
-        gemv_kernel[_grid(N, x.device)({"BN": 2, "PER_SM": 4})](*args, **consts, BN=2, PER_SM=4, num_warps=4)
+        gemv_kernel[_grid(N, x.device)({"BN": 2, "PER_SM": 4})](*args, **consts, BN=2, PER_SM=4, num_warps=4,
+                                                                  launch_pdl=pdl)
     else:  # the interpreter (tests): one configuration
         gemv_kernel[(min(3, triton.cdiv(N, 2)),)](*args, **consts, BN=2, PER_SM=1)   # several blocks per program
     return y
