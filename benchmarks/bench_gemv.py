@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from specla_kernels import gemv as gemv_module, reference as ref
+from specla_kernels import pdl, reference as ref
 from specla_kernels.gemv import _tuned_kernel, gemv
 
 HID, H, HV, KD, VD, INTER, VOCAB, W, LAYERS = 2048, 6, 6, 256, 512, 5632, 16384, 4, 21
@@ -104,9 +104,9 @@ def measure(name: str, w: torch.Tensor, x: torch.Tensor, kw: dict, window: torch
     rhs = x[:w.shape[1]]
     copies = [w] + [w.clone() for _ in range(LAYERS - 1)]
     t_fused = bench([lambda c=c: gemv(c, x, **kw) for c in copies])
-    gemv_module.USE_PDL = False           # the same chain, each kernel waiting for the previous one to end
+    pdl.USE_PDL = False           # the same chain, each kernel waiting for the previous one to end
     t_no_pdl = bench([lambda c=c: gemv(c, x, **kw) for c in copies])
-    gemv_module.USE_PDL = True
+    pdl.USE_PDL = True
     t_cublas = bench([lambda c=c: F.linear(rhs, c) for c in copies])
     nbytes = w.numel() * w.element_size()
     return dict(name=name, N=w.shape[0], K=w.shape[1], MB=nbytes / 2**20, fused_us=t_fused * 1e3,

@@ -4,8 +4,8 @@ Times, as the decoding loops run them (CUDA-graph replays through ``GDNRunner`` 
 median of many replays after warm-up):
 - ``ar_step``: the target consuming one token (our autoregressive step);
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
-- ``ar_step_no_pdl``: ``ar_step`` from a graph captured with programmatic dependent launch off
-  (``specla_kernels.gemv.USE_PDL``), the A/B for the GEMVs' early start;
+- ``pdl_ab``: ``ar_step``, ``ar_loop_per_token`` (32 greedy steps back to back), ``verify_16/32`` and
+  ``draft_tree9`` from runners captured with programmatic dependent launch on and off (``--pdl-ab`` runs only that);
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
   ``draft_proposal_tree`` / ``draft_proposal_chain``: a whole proposal (every depth, the selection) as the loop issues it;
@@ -33,7 +33,7 @@ from specla_hf.cuda_graphs import copy_in
 from specla_hf.eagle import _BlockRunner
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
-from specla_kernels import gemv as gemv_module
+from specla_kernels import pdl
 
 
 def cuda_ms(fn, reps: int = 50, warmup: int = 5) -> float:
@@ -136,9 +136,51 @@ def loop_profile(fn, trace: Path) -> dict:
             "phases": {k: {**v, "runtime_ms": dict(v["runtime_ms"].most_common(5))} for k, v in phases.items()}}
 
 
+def ar_tokens(runner: GDNRunner, token: torch.Tensor, cache, n: int) -> None:
+    """``n`` greedy steps as ``autoregressive_decode`` runs them (graph replay, argmax, next input)."""
+    for _ in range(n):
+        token = runner.forward(token, cache).logits[:, -1].argmax(-1, keepdim=True)
+
+
+def pdl_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.Generator) -> dict:
+    """Programmatic dependent launch on vs off (``specla_kernels.pdl.USE_PDL``), each from runners built and
+    captured under that setting (own graphs and caches), on the same inputs: the target's step, 32 greedy steps
+    back to back (per token), verify passes of 16 and 32 nodes, the drafter's pass over a 9-node tree."""
+    trees = {n: (torch.randint(0, big.config.vocab_size, (1, n), generator=gen), random_tree(n, gen)) for n in (16, 32)}
+    H, dev = drafter.config.hidden_size, big.device
+    feats9 = torch.randn(1, 9, H, generator=gen).to(dev, big.dtype)
+    toks9 = torch.randint(0, big.config.vocab_size, (1, 9), generator=gen).to(dev)
+    tree9 = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 1, 1]], device=dev)
+    out = {}
+    for on in (True, False):
+        pdl.USE_PDL = on
+        res = out["on" if on else "off"] = {}
+        runner = GDNRunner(big)
+        cache = runner.new_cache(1)
+        runner.forward(prompt, cache, logits_positions=slice(0, 0))
+        res["ar_step"] = cuda_ms(lambda: runner.forward(token, cache))
+        res["ar_loop_per_token"] = cuda_ms(lambda: ar_tokens(runner, token, cache, 32), reps=10) / 32
+        for n, (ids, parents) in trees.items():
+            def verify():
+                runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
+                cache.discard()
+            res[f"verify_{n}"] = cuda_ms(verify)
+        drunner = _BlockRunner(drafter, big)
+        dcache = drunner.new_cache(1)
+
+        def draft_tree9():
+            drunner.forward((feats9, toks9), dcache, parents=tree9)
+            dcache.discard()
+        res["draft_tree9"] = cuda_ms(draft_tree9)
+        del runner, cache, drunner, dcache
+    pdl.USE_PDL = True
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--pdl-ab", action="store_true", help="only the PDL on/off comparison (pdl_ab), a short run")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     models = load_models(device="cuda", dtype="bfloat16")
@@ -160,15 +202,13 @@ def main():
     res["ar_step_host_us"] = host_us(lambda: runner.forward(token, cache))
     res["profile"] = kernel_profile(lambda: runner._forward(token, cache, None, None, ()))
 
-    # A/B: the same step from a second runner (own graph and cache) captured with programmatic dependent launch off
-    gemv_module.USE_PDL = False
-    plain = GDNRunner(big)
-    pcache = plain.new_cache(1)
-    plain.forward(prompt, pcache, logits_positions=slice(0, 0))
-    plain.forward(token, pcache)                           # captures the step's graph
-    gemv_module.USE_PDL = True
-    res["ar_step_no_pdl"] = cuda_ms(lambda: plain.forward(token, pcache))
-    del plain, pcache
+    res["pdl_ab"] = pdl_ab(big, drafter, prompt, token, gen)
+    print("| PDL | " + " | ".join(res["pdl_ab"]["on"]) + " |")
+    for k, v in res["pdl_ab"].items():
+        print(f"| {k} | " + " | ".join(f"{t:.3f}" for t in v.values()) + " |")
+    if args.pdl_ab:
+        (args.out / "profile_step.json").write_text(json.dumps(res, indent=1))
+        return
     tree16 = random_tree(16, gen).cuda()
     ids16 = torch.randint(0, cfg.vocab_size, (1, 16), generator=gen).cuda()
 

@@ -51,6 +51,8 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict) -> None:
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm.get("cubin"), fn.__name__
+    if options.get("launch_pdl"):   # may start before the previous kernel ends: must wait for it (specla_kernels.pdl)
+        assert "griddepcontrol.wait" in compiled.asm["ptx"], fn.__name__
 
 
 def _call_every_wrapper():
@@ -85,13 +87,14 @@ def _call_every_wrapper():
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
-    from specla_kernels import gemv
-    monkeypatch.setattr(gemv, "pdl_enabled", lambda device: True)     # launch as on the H200 (no GPU here)
+    from specla_kernels import pdl
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)     # launch as on the H200 (no GPU here)
     _call_every_wrapper()
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"tree_gdn_fwd_kernel", "gate_beta_kernel", "rms_norm_gated_kernel", "tree_conv_kernel",
             "commit_weights_kernel", "row_topk_slices_kernel", "row_topk_merge_kernel", "expand_frontier_kernel",
             "gemv_kernel"} <= names, names
+    assert all(options.get("launch_pdl") for fn, _, options in launches if fn.__name__ == "gemv_kernel")
     seen = set()
     for fn, bound, options in launches:
         key = (fn.__name__, repr(sorted((k, v if not isinstance(v, torch.Tensor) else v.dtype)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from specla_kernels import pdl
 
 # prologue (what turns the input vector into the product's right-hand side) and epilogue kinds
 PLAIN = tl.constexpr(0)
@@ -54,20 +55,16 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
     # the row blocks pid, pid + G, ... (G = PER_SM programs per SM, set at launch) and loads each block's whole
     # [BN, KR, KC] weight tile at once, the next block's while it reduces this one: the memory pipe never waits for
     # a reduction, and the prologue is computed once per program.
-    # With PDL (programmatic dependent launch) the next kernel may start as soon as every program of this one has
-    # started, and this one may start before the previous kernel ends: the weights do not depend on it, so the first
-    # block is requested before waiting for the previous kernel's writes (gdc_wait); everything that reads an
-    # activation or writes anything comes after the wait.
-    if PDL:
-        gdc_launch_dependents()
+    # With PDL (specla_kernels.pdl) this kernel may start before the previous one ends: the weights do not depend
+    # on it, so the first block is requested before waiting; everything that reads an activation or writes comes after.
+    pdl.allow_dependents(PDL)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BN)
     cols = tl.arange(0, KR)[:, None] * KC + tl.arange(0, KC)[None, :]
     m_cols = cols < K
     wt = _weight_block(w, pid, N, stride_w, cols, m_cols, BN)
-    if PDL:
-        gdc_wait()
+    pdl.wait_for_inputs(PDL)
     xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
     if PRO == NORM_ADD:
         xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
@@ -116,12 +113,6 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
 
 MAX_K = 16384       # the whole input is one register tile
 TUNE_BYTES = 8 * 2**20   # products with smaller weights run one fixed launch shape: tuning would cost compiles
-USE_PDL = True           # overlap consecutive GEMVs on sm_90+ (profile_step turns it off for its A/B)
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` use programmatic dependent launch (Hopper and later)."""
-    return USE_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _configs():
@@ -198,14 +189,15 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
             norm[0] if norm is not None else x, gate if gate is not None else x, norm[1] if norm is not None else 0.,
             residual if residual is not None else x, window, conv_w, conv_b if conv_b is not None else x,
             window.shape[0] if conv is not None else 0)
-    pdl = pdl_enabled(x.device)
+    on = pdl.enabled(x.device)
     consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None,
-                  KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W), PDL=pdl)
+                  KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W), PDL=on)
     if x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES:
-        _tuned_kernel[_grid(N, x.device)](*args, **consts, launch_pdl=pdl)
+        _tuned_kernel[_grid(N, x.device)](*args, **consts, launch_pdl=on)
     elif x.is_cuda:      # a small product (a small model, a drafter): one reasonable shape, no tuning compiles
         gemv_kernel[_grid(N, x.device)({"BN": 2, "PER_SM": 4})](*args, **consts, BN=2, PER_SM=4, num_warps=4,
-                                                                  launch_pdl=pdl)
+                                                                  launch_pdl=on)
     else:  # the interpreter (tests): one configuration
-        gemv_kernel[(min(3, triton.cdiv(N, 2)),)](*args, **consts, BN=2, PER_SM=1)   # several blocks per program
+        gemv_kernel[(min(3, triton.cdiv(N, 2)),)](*args, **consts, BN=2, PER_SM=1,   # several blocks per program
+                                                  launch_pdl=on)
     return y

@@ -1,0 +1,42 @@
+"""Programmatic dependent launch (PDL) for the one-token step's GEMVs, on compute capability 9.0 (Hopper) and later.
+
+A decode step is a chain of short dependent kernels; between two of them the GPU drains the first, then schedules
+the second. A kernel launched with PDL may be scheduled while the kernel before it in the stream still runs, once
+every program of that kernel has called ``gdc_launch_dependents``; it must not read what that kernel writes, nor
+write anything, before ``gdc_wait`` returns. The GEMV (``gemv.py``) allows its dependents first, issues its first
+weight load (weights depend on no kernel), then waits. Kernels of other libraries in between (fla's recurrence,
+torch's) launch normally, and a PDL kernel after one of them waits for it to finish. Graph capture keeps PDL edges.
+
+Measured on the H200 (docs/kernels.md, session 5): the step replay 1.39 -> 1.27 ms and 32 greedy steps 1.24 ->
+1.17 ms per token with PDL. The same early start for the verify pass's and the drafter's small kernels (tree conv,
+gate, tree delta rule, gated norm, commit, top-k, expansion) made a 32-node verify 12% slower and a drafter pass over
+9 nodes 68% slower in the same run (dependents parked on the SMs while those kernels ran), so they launch normally.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+USE_PDL = True     # read when a kernel is launched or captured: profile_step and bench_gemv turn it off for A/Bs
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` use PDL (never under the interpreter: tensors are on the CPU)."""
+    return USE_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def allow_dependents(PDL: tl.constexpr):
+    """Let the next kernel in the stream be scheduled (it still waits for this one before reading its outputs)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
