@@ -4,8 +4,8 @@ Times, as the decoding loops run them (CUDA-graph replays through ``GDNRunner`` 
 median of many replays after warm-up):
 - ``ar_step``: the target consuming one token (our autoregressive step);
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
-- ``pdl_ab``: ``ar_step``, ``ar_loop_per_token`` (32 greedy steps back to back), ``verify_16/32`` and
-  ``draft_tree9`` from runners captured with programmatic dependent launch on and off (``--pdl-ab`` runs only that);
+- ``pdl_ab``: ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_16/32`` and ``draft_tree9`` from
+  runners captured with programmatic dependent launch on and off, alternating (``--pdl-ab`` runs only that);
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
   ``draft_proposal_tree`` / ``draft_proposal_chain``: a whole proposal (every depth, the selection) as the loop issues it;
@@ -142,39 +142,47 @@ def ar_tokens(runner: GDNRunner, token: torch.Tensor, cache, n: int) -> None:
         token = runner.forward(token, cache).logits[:, -1].argmax(-1, keepdim=True)
 
 
-def pdl_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.Generator) -> dict:
-    """Programmatic dependent launch on vs off (``specla_kernels.pdl.USE_PDL``), each from runners built and
-    captured under that setting (own graphs and caches), on the same inputs: the target's step, 32 greedy steps
-    back to back (per token), verify passes of 16 and 32 nodes, the drafter's pass over a 9-node tree."""
+def pdl_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.Generator, rounds: int = 3) -> dict:
+    """Programmatic dependent launch on vs off (``specla_kernels.pdl.USE_PDL``): runners built and captured under
+    each setting (own graphs and caches), then timed on the same inputs in alternating rounds (medians), so that
+    drift and order fall on both: the target's step, 32 greedy steps back to back (``ar_loop32``), verify passes of
+    16 and 32 nodes, the drafter's pass over a 9-node tree. Run before anything starts the profiler (its callbacks
+    stay and slow later launches)."""
     trees = {n: (torch.randint(0, big.config.vocab_size, (1, n), generator=gen), random_tree(n, gen)) for n in (16, 32)}
     H, dev = drafter.config.hidden_size, big.device
     feats9 = torch.randn(1, 9, H, generator=gen).to(dev, big.dtype)
     toks9 = torch.randint(0, big.config.vocab_size, (1, 9), generator=gen).to(dev)
     tree9 = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 1, 1]], device=dev)
-    out = {}
+    setups = {}
     for on in (True, False):
         pdl.USE_PDL = on
-        res = out["on" if on else "off"] = {}
         runner = GDNRunner(big)
         cache = runner.new_cache(1)
         runner.forward(prompt, cache, logits_positions=slice(0, 0))
-        res["ar_step"] = cuda_ms(lambda: runner.forward(token, cache))
-        res["ar_loop_per_token"] = cuda_ms(lambda: ar_tokens(runner, token, cache, 32), reps=10) / 32
-        for n, (ids, parents) in trees.items():
-            def verify():
-                runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
-                cache.discard()
-            res[f"verify_{n}"] = cuda_ms(verify)
         drunner = _BlockRunner(drafter, big)
         dcache = drunner.new_cache(1)
 
-        def draft_tree9():
+        def verify(ids, parents, runner=runner, cache=cache):
+            runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
+            cache.discard()
+
+        def draft_tree9(drunner=drunner, dcache=dcache):
             drunner.forward((feats9, toks9), dcache, parents=tree9)
             dcache.discard()
-        res["draft_tree9"] = cuda_ms(draft_tree9)
-        del runner, cache, drunner, dcache
+        calls = {"ar_step": lambda runner=runner, cache=cache: runner.forward(token, cache),
+                 "ar_loop32": lambda runner=runner, cache=cache: ar_tokens(runner, token, cache, 32),
+                 **{f"verify_{n}": lambda t=t: verify(*t) for n, t in trees.items()},
+                 "draft_tree9": draft_tree9}
+        for call in calls.values():
+            call()                                          # captured now, under this setting
+        setups["on" if on else "off"] = calls
     pdl.USE_PDL = True
-    return out
+    times = {k: collections.defaultdict(list) for k in setups}
+    for _ in range(rounds):
+        for k, calls in setups.items():
+            for name, call in calls.items():
+                times[k][name].append(cuda_ms(call, reps=10 if name == "ar_loop32" else 50))
+    return {k: {name: statistics.median(v) for name, v in t.items()} for k, t in times.items()}
 
 
 def main():
@@ -198,10 +206,6 @@ def main():
     prompt = torch.randint(0, cfg.vocab_size, (1, 128), generator=gen).cuda()
     runner.forward(prompt, cache, logits_positions=slice(0, 0))
     token = prompt[:, -1:]
-    res["ar_step"] = cuda_ms(lambda: runner.forward(token, cache))
-    res["ar_step_host_us"] = host_us(lambda: runner.forward(token, cache))
-    res["profile"] = kernel_profile(lambda: runner._forward(token, cache, None, None, ()))
-
     res["pdl_ab"] = pdl_ab(big, drafter, prompt, token, gen)
     print("| PDL | " + " | ".join(res["pdl_ab"]["on"]) + " |")
     for k, v in res["pdl_ab"].items():
@@ -209,6 +213,10 @@ def main():
     if args.pdl_ab:
         (args.out / "profile_step.json").write_text(json.dumps(res, indent=1))
         return
+    res["ar_step"] = cuda_ms(lambda: runner.forward(token, cache))
+    res["ar_step_host_us"] = host_us(lambda: runner.forward(token, cache))
+    res["profile"] = kernel_profile(lambda: runner._forward(token, cache, None, None, ()))
+
     tree16 = random_tree(16, gen).cuda()
     ids16 = torch.randint(0, cfg.vocab_size, (1, 16), generator=gen).cuda()
 
