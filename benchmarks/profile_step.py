@@ -2,7 +2,8 @@
 
 Times, as the decoding loops run them (CUDA-graph replays through ``GDNRunner`` / the drafter's runner, CUDA events,
 median of many replays after warm-up):
-- ``ar_step``: the target consuming one token (our autoregressive step);
+- ``ar_step``: the target consuming one token (our autoregressive step); ``prompt_pass_128``: a 128-token prompt
+  consumed as graphed chains, and ``prompt_pass_128_eager`` through fla's chunked kernels;
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
 - ``pdl_ab``: ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_16/32`` and ``draft_tree9`` from
   runners captured with programmatic dependent launch on and off, alternating (``--pdl-ab`` runs only that);
@@ -206,6 +207,13 @@ def main():
     prompt = torch.randint(0, cfg.vocab_size, (1, 128), generator=gen).cuda()
     runner.forward(prompt, cache, logits_positions=slice(0, 0))
     token = prompt[:, -1:]
+    # the 128-token prompt pass: graphed chains (the default with graphs) vs fla's eager chunked kernels
+    eager = GDNRunner(big, cuda_graphs=False)
+    res["prompt_pass_128"] = cuda_ms(lambda: runner.forward(prompt, runner.new_cache(1), logits_positions=slice(0, 0)),
+                                     reps=10)
+    res["prompt_pass_128_eager"] = cuda_ms(lambda: eager.forward(prompt, eager.new_cache(1),
+                                                                 logits_positions=slice(0, 0)), reps=10)
+    del eager
     res["pdl_ab"] = pdl_ab(big, drafter, prompt, token, gen)
     print("| PDL | " + " | ".join(res["pdl_ab"]["on"]) + " |")
     for k, v in res["pdl_ab"].items():

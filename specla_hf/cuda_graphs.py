@@ -2,7 +2,8 @@
 
 At batch 1 an eager GDN forward is bound by kernel-launch overhead (~15-20x slower than graph replay on the H200),
 so each distinct call shape is captured once and replayed:
-- consuming ``T <= MAX_SEQ_TOKENS`` tokens (autoregressive steps, a drafter catching up);
+- consuming ``T <= MAX_SEQ_TOKENS`` tokens (autoregressive steps, a drafter catching up); longer inputs (prompts)
+  are consumed by ``GDNRunner`` as chains of ``CHAIN_CHUNK`` tree nodes, verified and committed (the graphs below);
 - verifying tree nodes, padded to a power-of-two bucket with dummy nodes that hang off the committed state
   (``parents = -1``): no real node descends from them, so real outputs are unchanged and they are never accepted.
 A graph reads its inputs (token ids, or any tuple of ``[B, T, ...]`` tensors: a drafter's features and tokens) from
@@ -21,11 +22,17 @@ from torch.utils._pytree import tree_flatten, tree_map
 MAX_SEQ_TOKENS = 4
 DRAFT_SEQ_TOKENS = 16   # a drafter catching up after a step consumes up to draft depth + 1 tokens: graph those too
 MAX_TREE_BUCKET = 128
+CHAIN_CHUNK = 64        # longer inputs (prompts) are consumed as chains of this many nodes on the graphed tree path
 
 
 def num_tokens(inputs) -> int:
     """``T`` of a call's inputs: a ``[B, T]`` id tensor or a tuple of ``[B, T, ...]`` tensors."""
     return tree_flatten(inputs)[0][0].shape[1]
+
+
+def batch_size(inputs) -> int:
+    """``B`` of a call's inputs (see ``num_tokens``)."""
+    return tree_flatten(inputs)[0][0].shape[0]
 
 
 def pad_tokens(inputs, pad: int):
@@ -100,8 +107,7 @@ class GraphedForward:
 
     def supports(self, inputs, parents: torch.Tensor | None) -> bool:
         T = num_tokens(inputs)
-        return tree_flatten(inputs)[0][0].shape[0] == 1 and \
-            (T <= self.max_seq_tokens if parents is None else T <= MAX_TREE_BUCKET)
+        return batch_size(inputs) == 1 and (T <= self.max_seq_tokens if parents is None else T <= MAX_TREE_BUCKET)
 
     def __call__(self, inputs, cache, parents, logits_positions, hidden_layers):
         key = (num_tokens(inputs), None if parents is None else cache.num_pending,

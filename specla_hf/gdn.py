@@ -31,8 +31,8 @@ from fla.models import GatedDeltaNetForCausalLM
 from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 from specla_hf import backend
 from specla_hf.cache import SpecLACache, SpecLALayer
-from specla_hf.cuda_graphs import (DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward, num_tokens,
-                                   pad_tokens, to_device, tree_bucket)
+from specla_hf.cuda_graphs import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward,
+                                   batch_size, num_tokens, pad_tokens, to_device, tree_bucket)
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
@@ -231,6 +231,9 @@ class GDNRunner:
         """Consume ``input_ids [B, T]`` (``parents=None``) or verify them as tree nodes (``parents [B, T]``,
         indices into all pending nodes of the cache, new nodes included). Tree calls return every node's logits."""
         T = num_tokens(input_ids)
+        if (parents is None and self.graphs is not None and T > self.graphs.max_seq_tokens
+                and batch_size(input_ids) == 1 and not cache.num_pending):
+            return self._consume_as_chains(input_ids, cache, logits_positions, hidden_layers)
         if parents is not None:
             if logits_positions not in (None, slice(None)):
                 raise ValueError("tree verification returns the logits of every node")
@@ -248,6 +251,32 @@ class GDNRunner:
         if parents is not None and num_tokens(input_ids) != T:
             out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
         return out
+
+    def _consume_as_chains(self, inputs, cache: SpecLACache, logits_positions: slice | None,
+                           hidden_layers: tuple[int, ...]) -> RunnerOutput:
+        """Consume a long input (a prompt) on the graphed path: chunks of ``CHAIN_CHUNK`` tokens, each verified as a
+        chain (every node the child of the one before) in the ``CHAIN_CHUNK``-node tree bucket and committed whole,
+        one verify and one commit graph replay per chunk (a short last chunk is padded with inert nodes to the same
+        bucket: one graph serves every prompt length). Eager, fla's chunked prompt kernels launch a dozen kernels per
+        layer from Python. Chain verify + commit is the recurrence (``tests/test_kernels.py``), so this computes what
+        consuming the tokens computes up to summation order. Returns the logits at ``logits_positions`` and the
+        hidden states of every position, as a consuming call does."""
+        T = num_tokens(inputs)
+        wanted = range(T) if logits_positions is None else range(T)[logits_positions]
+        logits, hidden = [], []
+        for start in range(0, T, CHAIN_CHUNK):
+            n = min(CHAIN_CHUNK, T - start)
+            chunk = pad_tokens(tree_map(lambda x: x[:, start:start + n], inputs), CHAIN_CHUNK - n)
+            parents = torch.tensor([list(range(-1, n - 1)) + [-1] * (CHAIN_CHUNK - n)])   # padding: off the state
+            out = self.forward(chunk, cache, parents=parents, hidden_layers=hidden_layers)
+            # the graph's outputs are overwritten by the next replay: keep copies (a slice where the rows allow:
+            # indexing with a host list would copy it to the GPU and stall the host)
+            rows = [i - start for i in wanted if start <= i < start + n]
+            keep = out.logits[:, rows[0]:rows[-1] + 1:wanted.step] if rows and wanted.step > 0 else out.logits[:, rows]
+            logits.append(keep.clone())
+            hidden.append([h[:, :n].clone() for h in out.hidden_states])
+            self.commit(cache, accepted=n - 1, path_length=n)
+        return RunnerOutput(torch.cat(logits, 1), tuple(torch.cat(h, 1) for h in zip(*hidden)))
 
     def commit(self, cache: SpecLACache, accepted: int, path_length: int) -> None:
         """Keep the root-to-``accepted`` path of the verified nodes (``path_length`` nodes): one CUDA-graph replay when

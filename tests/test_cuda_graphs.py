@@ -4,7 +4,7 @@ import torch
 
 from conftest import tiny_gdn
 from specla_hf.autoregressive import autoregressive_decode
-from specla_hf.cuda_graphs import GraphedForward
+from specla_hf.cuda_graphs import CHAIN_CHUNK, GraphedForward
 from specla_hf.gdn import GDNRunner
 
 
@@ -23,7 +23,11 @@ def test_graphed_autoregressive_decoding_keeps_the_state():
     for _ in range(2):     # the second call reuses the captured graphs and the runner's one cache
         assert torch.equal(autoregressive_decode(runner, ids, 20), plain)
     # one step graph served all 40 steps; the other sequence lengths were captured beside it, none since
-    assert sorted(k[0] for k in runner.graphs.graphs) == list(range(1, runner.graphs.max_seq_tokens + 1))
+    graphs = runner.graphs.graphs
+    assert sorted(k[0] for k in graphs if k[1] is None) == list(range(1, runner.graphs.max_seq_tokens + 1))
+    # the 8-token prompt pass: one chain of CHAIN_CHUNK nodes (padded) verified and committed by graph replays
+    chains = [g for k, g in graphs.items() if k[1] is not None]
+    assert [k[0] for k in graphs if k[1] is not None] == [CHAIN_CHUNK] and chains[0].commit
     short = torch.randint(0, 97, (1, 3))       # prompts short enough for a graphed prefill, too
     assert torch.equal(autoregressive_decode(runner, short, 12), model.generate(short, max_new_tokens=12,
                                                                                 do_sample=False))
@@ -96,3 +100,48 @@ def test_a_failed_capture_falls_back_to_eager_with_a_warning(monkeypatch):
         spec = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, tree=True,
                               confidence_threshold=0.0)
     assert torch.equal(spec, plain)
+
+
+def test_a_long_prompt_is_consumed_as_graphed_chains():
+    """A prompt longer than the graphed sequence calls goes through the tree path in CHAIN_CHUNK-node chains (a
+    short last chunk padded with inert nodes), verified and committed by graph replays: the same logits, hidden
+    states, state and conv window as consuming it eagerly, and greedy decoding after it equal to stock generate."""
+    model = tiny_gdn(seed=54)
+    ids = torch.randint(0, 97, (1, 2 * CHAIN_CHUNK + 23), generator=torch.Generator().manual_seed(54))
+    eager = GDNRunner(model)
+    graphed = emulate_graphs(model, "target")
+    for positions in (slice(0, 0), slice(-1, None), None, slice(5, 140, 9)):
+        want_cache, got_cache = eager.new_cache(1), graphed.new_cache(1)
+        want = eager.forward(ids, want_cache, logits_positions=positions, hidden_layers=(0, 1, 2))
+        got = graphed.forward(ids, got_cache, logits_positions=positions, hidden_layers=(0, 1, 2))
+        assert got.logits.shape == want.logits.shape
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+        for g, w in zip(got.hidden_states, want.hidden_states):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        assert got_cache.seq_length == want_cache.seq_length == ids.shape[1] and not got_cache.num_pending
+        for g, w in zip(got_cache.layers, want_cache.layers):
+            torch.testing.assert_close(g.state, w.state, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(g.window, w.window)
+    # one verify graph and its commit graph served every chunk of every call
+    assert [k[0] for k in graphed.graphs.graphs if k[1] is not None] == [CHAIN_CHUNK]
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(autoregressive_decode(graphed, ids, 12), plain)
+
+
+def test_a_long_prompt_through_graphed_chains_keeps_speculative_decoding_lossless():
+    from specla_hf import SpecLADrafter, SpecLADrafterConfig
+    from specla_hf.eagle import DRAFT_SEQ_TOKENS, _BlockRunner
+    model = tiny_gdn(seed=55)
+    torch.manual_seed(5)
+    drafter = SpecLADrafter(SpecLADrafterConfig.for_target(model.config, num_heads=2, head_dim=16)).eval()
+    ids = torch.randint(0, 97, (1, CHAIN_CHUNK + 37), generator=torch.Generator().manual_seed(55))
+    plain = model.generate(ids, max_new_tokens=20, do_sample=False)
+    emulate_graphs(model, "target")
+    runner = _BlockRunner.for_drafter(drafter, model)
+    runner.graphs = GraphedForward(runner, emulate=True, max_seq_tokens=DRAFT_SEQ_TOKENS)
+    runner.bucket_trees = True
+    for tree in (False, True):
+        assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                                          tree=tree, confidence_threshold=0.0), plain), tree
+    # the drafter caught up on the prompt's features through its own chain graph
+    assert any(k[0] == CHAIN_CHUNK and k[1] == 0 for k in runner.graphs.graphs)
