@@ -6,7 +6,8 @@ median of many replays after warm-up):
   consumed as graphed chains, and ``prompt_pass_128_eager`` through fla's chunked kernels;
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
 - ``pdl_ab``: ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_16/32`` and ``draft_tree9`` from
-  runners captured with programmatic dependent launch on and off, alternating (``--pdl-ab`` runs only that);
+  runners captured with programmatic dependent launch on and off, alternating (``--pdl-ab``: only these and the
+  prompt passes, a short run);
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
   ``draft_proposal_tree`` / ``draft_proposal_chain``: a whole proposal (every depth, the selection) as the loop issues it;
@@ -189,7 +190,7 @@ def pdl_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.G
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--pdl-ab", action="store_true", help="only the PDL on/off comparison (pdl_ab), a short run")
+    ap.add_argument("--pdl-ab", action="store_true", help="only the prompt passes and the PDL on/off comparison")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     models = load_models(device="cuda", dtype="bfloat16")

@@ -3,7 +3,8 @@
 ``GDNRunner`` walks the model's own modules (embeddings, norms, MLPs, LM head: fla's Triton on CUDA, our torch path
 on CPU) and replaces only the GatedDeltaNet mixer's state handling:
 - ``forward(ids, cache)`` consumes tokens straight into the committed state (prefill, autoregressive steps), with
-  fla's chunk / fused-recurrent kernels on CUDA, exactly as the stock layer does;
+  fla's chunk / fused-recurrent kernels on CUDA, exactly as the stock layer does (with CUDA graphs, inputs longer
+  than the graphed sequence calls, i.e. prompts, are verified and committed as chains instead: ``_consume_as_chains``);
 - ``forward(ids, cache, parents=...)`` verifies tree nodes on top of the committed state in one pass per layer
   (tree conv + ancestor-masked delta rule), records their compact factors and leaves the state untouched;
 - ``cache.commit(accepted)`` then rebuilds the state after the accepted path from the factors.
