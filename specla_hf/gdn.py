@@ -270,11 +270,10 @@ class GDNRunner:
             chunk = pad_tokens(tree_map(lambda x: x[:, start:start + n], inputs), CHAIN_CHUNK - n)
             parents = torch.tensor([list(range(-1, n - 1)) + [-1] * (CHAIN_CHUNK - n)])   # padding: off the state
             out = self.forward(chunk, cache, parents=parents, hidden_layers=hidden_layers)
-            # the graph's outputs are overwritten by the next replay: keep copies (a slice where the rows allow:
-            # indexing with a host list would copy it to the GPU and stall the host)
+            # the graph's outputs are overwritten by the next replay: keep copies (of slices: indexing with a host
+            # list would copy it to the GPU and stall the host)
             rows = [i - start for i in wanted if start <= i < start + n]
-            keep = out.logits[:, rows[0]:rows[-1] + 1:wanted.step] if rows and wanted.step > 0 else out.logits[:, rows]
-            logits.append(keep.clone())
+            logits.append((out.logits[:, rows[0]:rows[-1] + 1:wanted.step] if rows else out.logits[:, :0]).clone())
             hidden.append([h[:, :n].clone() for h in out.hidden_states])
             self.commit(cache, accepted=n - 1, path_length=n)
         return RunnerOutput(torch.cat(logits, 1), tuple(torch.cat(h, 1) for h in zip(*hidden)))
