@@ -335,32 +335,14 @@ class GDNRunner:
         return ops.gemv(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps)).view(1, 1, -1)
 
     def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None) -> torch.Tensor:
+        """Mixer ``i``: the fused input projection, the short conv and the delta rule (fla's stock kernels when
+        consuming tokens; tree conv, tree kernel and factors when verifying nodes), the output norm and projection."""
         m = self.mixers[i]
         B, T, _ = h.shape
-        proj, _, _ = fuse_mixer_weights(m)
-        # one GEMM for all input projections (the recurrence takes column views of it)
-        o, gate = self._recurrence(i, F.linear(h, proj), layer, parents)
-        if m.use_gate and parents is not None:
-            # the gate is a column slice of the projection GEMM: our gated norm reads it in place (fla's copies it)
-            o = ops.rms_norm_gated(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim), m.o_norm.weight,
-                                   m.o_norm.bias, m.o_norm.eps, m.o_norm.activation)
-        elif m.use_gate:
-            o = m.o_norm(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim))
-        else:
-            o = m.o_norm(o.to(h.dtype))
-        return m.o_proj(o.reshape(B, T, m.value_dim))
-
-    def _recurrence(self, i: int, projected: torch.Tensor, layer: SpecLALayer,
-                    parents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Mixer ``i`` between its fused input projection (``projected [B, T, rows]``) and its output norm: the
-        short conv and the delta rule (fla's stock kernels when consuming tokens; tree conv, tree kernel and factors
-        when verifying nodes). Returns ``o [B, T, HV, V]`` and the output gate, a column view ``[B, T, value_dim]``
-        of ``projected`` (None without a gate)."""
-        m = self.mixers[i]
-        B, T, _ = projected.shape
-        _, conv_weight, conv_bias = fuse_mixer_weights(m)
-        # column views: fla's kernels and ours take strided rows
-        x, gate, a, b = projection_columns(m, projected)
+        proj, conv_weight, conv_bias = fuse_mixer_weights(m)
+        # one GEMM for all input projections; the rest take column views of it (fla's kernels and ours read strided
+        # rows)
+        x, gate, a, b = projection_columns(m, F.linear(h, proj))
         if not m.use_short_conv:
             y = F.silu(x)
         elif parents is None:
@@ -394,7 +376,16 @@ class GDNRunner:
             prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix)
             layer.add_factors(k_hat, u, g, x)
-        return o, (gate if m.use_gate else None)
+
+        if m.use_gate and parents is not None:
+            # the gate is a column slice of the projection GEMM: our gated norm reads it in place (fla's copies it)
+            o = ops.rms_norm_gated(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim), m.o_norm.weight,
+                                   m.o_norm.bias, m.o_norm.eps, m.o_norm.activation)
+        elif m.use_gate:
+            o = m.o_norm(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim))
+        else:
+            o = m.o_norm(o.to(h.dtype))
+        return m.o_proj(o.reshape(B, T, m.value_dim))
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Block ``i``'s fla ``GatedMLP`` with gate_proj and up_proj as one GEMM (``fuse_mlp_weights``), then

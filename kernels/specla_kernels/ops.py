@@ -147,4 +147,3 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
     if use_triton(x):
         return _gemv.gemv(weight, x, **fused)
     return reference.gemv_ref(weight, x, **fused)
-

@@ -39,4 +39,3 @@ def wait_for_inputs(PDL: tl.constexpr):
     """Wait until the previous kernel in the stream has finished and its writes are visible."""
     if PDL:
         gdc_wait()
-
