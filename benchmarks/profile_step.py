@@ -10,7 +10,8 @@ median of many replays after warm-up):
   prompt passes, a short run);
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
-  ``draft_proposal_tree`` / ``draft_proposal_chain``: a whole proposal (every depth, the selection) as the loop issues it;
+  ``draft_step_tree`` / ``draft_step_chain``: its whole share of a step as the loop issues it (feature fusion,
+  catch-up with the root, every depth, the selection);
 and, from one eager target step under ``torch.profiler``, the kernels it launches (count, summed GPU time): the gap
 between that sum and the graph replay is launch/dependency overhead inside the graph, the gap between the sum and the
 weight-bandwidth floor is kernel inefficiency; and whole decoding calls (AR, SpecLA tree and chain) under the
@@ -144,12 +145,12 @@ def ar_tokens(runner: GDNRunner, token: torch.Tensor, cache, n: int) -> None:
         token = runner.forward(token, cache).logits[:, -1].argmax(-1, keepdim=True)
 
 
-def pdl_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.Generator, rounds: int = 3) -> dict:
+def pdl_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.Generator, rounds: int = 4) -> dict:
     """Programmatic dependent launch on vs off (``specla_kernels.pdl.USE_PDL``): runners built and captured under
     each setting (own graphs and caches), then timed on the same inputs in alternating rounds (medians), so that
     drift and order fall on both: the target's step, 32 greedy steps back to back (``ar_loop32``), verify passes of
-    16 and 32 nodes, the drafter's pass over a 9-node tree. Run before anything starts the profiler (its callbacks
-    stay and slow later launches)."""
+    16 and 32 nodes, the drafter's pass over a 9-node tree (no PDL kernel in it: its two columns differ by the
+    harness's own error). Run before anything starts the profiler (its callbacks stay and slow later launches)."""
     trees = {n: (torch.randint(0, big.config.vocab_size, (1, n), generator=gen), random_tree(n, gen)) for n in (16, 32)}
     H, dev = drafter.config.hidden_size, big.device
     feats9 = torch.randn(1, 9, H, generator=gen).to(dev, big.dtype)
@@ -180,9 +181,11 @@ def pdl_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.G
         setups["on" if on else "off"] = calls
     pdl.USE_PDL = True
     times = {k: collections.defaultdict(list) for k in setups}
-    for _ in range(rounds):
-        for k, calls in setups.items():
-            for name, call in calls.items():
+    for r in range(rounds):
+        # which setting goes first alternates: in session 6, with "on" always first, the drafter pass (no PDL kernel
+        # in it, so PDL cannot be the cause) took 0.334 ms "on" and 0.247 ms "off"
+        for k in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            for name, call in setups[k].items():
                 times[k][name].append(cuda_ms(call, reps=10 if name == "ar_loop32" else 50))
     return {k: {name: statistics.median(v) for name, v in t.items()} for k, t in times.items()}
 
@@ -282,15 +285,22 @@ def main():
         return call
     res["draft_root"] = cuda_ms(draft_call(feats[:, :1], toks[:, :1], root))
     res["draft_tree9"] = cuda_ms(draft_call(feats9, toks9, tree))
-    # a whole proposal as the loop issues it (every depth's graph, the selection), catch-up excluded: the drafter's
-    # share of a step, for the default tree and chain
+    # the drafter's share of a step as the loop issues it, for the default tree and chain, after 4 accepted tokens:
+    # the fusion of the accepted path's target features, the catch-up on those positions with the root, every
+    # depth's graph and the selection
     from specla_hf.generation import draft_options
-    ids = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)
-    for name, tree_mode in (("draft_proposal_tree", True), ("draft_proposal_chain", False)):
+    verified = tuple(torch.randn(1, 32, H, device="cuda", dtype=torch.bfloat16) for _ in drafter.config.feature_layers)
+    for name, tree_mode in (("draft_step_tree", True), ("draft_step_chain", False)):
         eagle = drafter.candidate_generator(big, draft_options(tree=tree_mode, confidence_threshold=0.0))
-        eagle.add_features(tuple(torch.randn(1, 16, H, device="cuda", dtype=torch.bfloat16)
-                                 for _ in eagle.feature_layers))
-        res[name] = cuda_ms(lambda: eagle.launch(ids))      # after the first call there is nothing to catch up
+        seq = {"ids": torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)}
+        eagle.add_features(tuple(f[:, :16] for f in verified))
+        eagle.launch(seq["ids"])
+
+        def draft_step():
+            eagle.add_features(verified, [0, 1, 2, 3])
+            seq["ids"] = torch.cat([seq["ids"], torch.randint(0, cfg.vocab_size, (1, 4), generator=gen)], 1)
+            eagle.launch(seq["ids"])
+        res[name] = cuda_ms(draft_step)
     res["floor_ms"] = weight_bytes / 4.2e12 * 1e3            # all weights once at the measured ~4.2 TB/s copy rate
 
     # whole decoding calls, 48 new tokens after a 64-token prompt: where the wall time of a step goes

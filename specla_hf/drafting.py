@@ -14,6 +14,12 @@ On the GPU drafting is host-bound unless the host stays out of the loop, so the 
 (``DraftBuffers``) and each depth is one idempotent step on them (score the tree, take each frontier node's top-k,
 pick the next frontier, write its inputs) that is captured once as a CUDA graph and replayed; the candidates reach the
 host once per proposal.
+
+The root is not a guess: its inputs are final (the pending token, and for a target-aligned drafter the target's
+feature of the position before it). So a drafter's ``start`` normally consumes it into the drafter's committed state
+together with the positions it catches up on, in the same call, and returns its draft distribution: depth 1 then
+needs no drafter pass of its own, and the root's children hang off the committed state (parent ``-1``) in the later
+passes, where slot 0 stays an inert node nobody descends from.
 """
 from __future__ import annotations
 
@@ -95,6 +101,7 @@ class DraftBuffers:
         self.tree_parents = torch.full((most,), -1, dtype=torch.long, device=device)
         self.tree_host = torch.empty(3, most, dtype=torch.float64, pin_memory=cuda)
         self.tree_ready = torch.cuda.Event() if cuda else None
+        self.root_logp: torch.Tensor | None = None    # the root's draft log-probs when ``start`` consumed it
 
     def queue_best(self, d: int) -> None:
         """Start reading depth ``d``'s best candidate score back to the host (``read_best``)."""
@@ -195,9 +202,12 @@ class DynamicTreeDrafter(CandidateGenerator):
     # ---- what a subclass provides ----
     runner = None            # the drafter's runner (GDNRunner or alike): its ``graphs`` say whether to use graphs
 
-    def start(self, input_ids: torch.LongTensor) -> None:
-        """Catch the drafter's committed state up to the pending token (``input_ids``' last) and write the root's
-        inputs into ``self.buffers`` (slot 0; its token is written by ``propose``)."""
+    def start(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
+        """Catch the drafter's committed state up on ``input_ids``. Normally the pending token (``input_ids``' last,
+        the root) is consumed too, and its draft log-probs ``[vocab]`` (fp32) are returned (module docstring); the
+        subclass then writes what the root's children read of it into ``self.buffers`` (``add_nodes``). ``None``:
+        the root stays out of the committed state; its inputs are written to slot 0 and depth 1 scores it (its
+        token is written by ``launch``)."""
         raise NotImplementedError
 
     def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
@@ -220,18 +230,23 @@ class DynamicTreeDrafter(CandidateGenerator):
         base = self.options.threshold
         return min(base / self.calibration.ratio, 0.99) if self.options.adaptive else base
 
-    def _depth_step(self, d: int) -> None:
+    def _depth_step(self, d: int, root_consumed: bool) -> None:
         """Depth ``d`` of a proposal on ``self.buffers`` (idempotent, static shapes; see ``DraftBuffers``)."""
         b, K = self.buffers, self.options.topk
         n, F = 1 + K * (d - 1), (1 if d == 1 else K)             # nodes so far; the newest F are the frontier
         graphs = self.runner.graphs is not None
-        logp = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))        # the frontier's log-probs
+        if d == 1 and root_consumed:
+            logp = b.root_logp[None]                              # from ``start``
+        else:
+            logp = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))    # the frontier's log-probs
         top_logp, top_token = ops.row_topk(logp, K)
         # record the F x K candidates, expand the K most confident (EAGLE-2): the next depth's frontier
         ops.expand_frontier(top_logp, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
                             b.cand[:, d - 1], b.tokens, b.parents, b.frontier_score[d], b.frontier_cand[d], n,
                             0 if d == 1 else K + (d - 2) * K * K)
         self.add_nodes(n, b.parents[n:n + K])
+        if d == 1 and root_consumed:
+            b.parents[1:1 + K].fill_(-1)      # the root is in the committed state: its children hang off that
 
     def _run(self, key: tuple, step, what: str) -> None:
         """``step()`` (idempotent, static shapes) as a CUDA-graph replay where the drafter runs graphs (captured on
@@ -270,10 +285,16 @@ class DynamicTreeDrafter(CandidateGenerator):
         b = self.buffers = self._buffers()
         b.reset()
         copy_in(b.tokens[:1], input_ids[0, -1:])
-        self.start(input_ids)
+        root_logp = self.start(input_ids)
+        root_consumed = root_logp is not None
+        if root_consumed:
+            if b.root_logp is None:
+                b.root_logp = torch.empty_like(root_logp)       # static: the depth-1 graph reads it
+            b.root_logp.copy_(root_logp)
         depths = 0
         for d in range(1, depth_limit + 1):
-            self._run(("depth", d), lambda d=d: self._depth_step(d), f"draft depth {d}")
+            self._run(("depth", d, root_consumed), lambda d=d: self._depth_step(d, root_consumed),
+                      f"draft depth {d}")
             depths = d
             if threshold > 0:
                 if d > 1 and b.read_best(d - 1) < log_threshold:
@@ -373,7 +394,8 @@ def _log(p: float) -> float:
 
 class GDNDrafter(DynamicTreeDrafter):
     """A small GDN language model as drafter (the classic assistant), with its own SpecLACache: ``start`` consumes the
-    committed tokens it has not seen (sequence mode), ``score`` verifies the draft tree from its committed state."""
+    tokens it has not seen, the root included (sequence mode), ``score`` verifies the draft tree from its committed
+    state."""
 
     def __init__(self, drafter_model, options: DraftOptions):
         from specla_hf.gdn import GDNRunner
@@ -382,13 +404,13 @@ class GDNDrafter(DynamicTreeDrafter):
         self.cache = self.runner.new_cache(1)
         self.consumed = 0                    # tokens of input_ids in the drafter's committed state
 
-    def start(self, input_ids: torch.LongTensor) -> None:
-        if self.consumed > input_ids.shape[1] - 1:
+    def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        # every step emits at least one token, so the sequence always holds tokens the drafter has not consumed
+        if self.consumed >= input_ids.shape[1]:
             raise RuntimeError("the drafter is ahead of the sequence: was one drafter shared by two generations?")
-        if self.consumed < input_ids.shape[1] - 1:
-            self.runner.forward(input_ids[:, self.consumed:-1], self.cache,
-                                logits_positions=slice(0, 0))
-            self.consumed = input_ids.shape[1] - 1
+        out = self.runner.forward(input_ids[:, self.consumed:], self.cache, logits_positions=slice(-1, None))
+        self.consumed = input_ids.shape[1]                 # the root included
+        return torch.log_softmax(out.logits[0, -1], -1, dtype=torch.float32)
 
     def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
         b = self.buffers

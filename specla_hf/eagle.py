@@ -227,10 +227,11 @@ class EagleDrafter(DynamicTreeDrafter):
     """Dynamic-tree drafting with a ``SpecLADrafter`` beside a GDN target (alignment in the module docstring).
 
     The drafter's committed state has consumed drafter positions ``< consumed``, always with the target's true
-    features. ``start`` catches up to the root with buffered features in sequence mode and writes the root's inputs;
-    ``score`` verifies the draft tree, each node fed its parent's output hidden state (``add_nodes``) in place of the
-    target's feature. Nothing stays pending after a step: the accepted positions get their true features from the
-    verify pass and are consumed by the next ``start`` (a re-run of the one-layer drafter, never of the target).
+    features. ``start`` catches up with buffered features in sequence mode, the root included (its feature is the
+    target's too), and returns the root's draft log-probs; ``score`` verifies the draft tree, each node fed its
+    parent's output hidden state (``add_nodes``) in place of the target's feature. Nothing stays pending after a step:
+    the accepted positions get their true features from the verify pass and are consumed by the next ``start`` (a
+    re-run of the one-layer drafter, never of the target).
     """
 
     def __init__(self, drafter: SpecLADrafter, target, options: DraftOptions):
@@ -299,21 +300,26 @@ class EagleDrafter(DynamicTreeDrafter):
             b.hidden = torch.zeros(b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
         return b
 
-    def start(self, input_ids: torch.LongTensor) -> None:
+    def start(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
         committed = input_ids.shape[1] - 1               # target positions in the target's state
         if self.consumed + self.features.shape[1] != committed:
             raise RuntimeError(f"the drafter holds features of {self.consumed + self.features.shape[1]} positions "
                                f"but the target committed {committed}: was one drafter shared by two generations?")
-        # positions consumed..committed-2 read tokens consumed+1..committed-1; the root (position committed-1)
-        # reads the pending token
-        n = committed - 1 - self.consumed
-        if n > 0:
-            tokens = input_ids[:, self.consumed + 1:committed]      # the runner copies host tokens in, no sync
-            self.runner.forward((self.features[:, :n], tokens), self.cache, logits_positions=slice(0, 0))
-            self.features, self.consumed = self.features[:, n:], self.consumed + n
-        # a one-token prompt has no target feature for the root: a zero feature, never committed
-        root = self.buffers.fused[:, :1]
-        root.copy_(self.features[:, :1]) if committed else root.zero_()
+        if not committed:
+            # a one-token prompt has no target feature for the root: a zero feature, scored as node 0, never committed
+            self.buffers.fused[:, :1].zero_()
+            return None
+        # positions consumed..committed-1 read tokens consumed+1..committed; the last is the root (position
+        # committed-1, reading the pending token): all have their true features, so all are committed here
+        n = committed - self.consumed
+        if n < 1:
+            raise RuntimeError("this sequence's root was consumed by an earlier proposal: a proposal follows a "
+                               "verify step that grew the sequence")
+        tokens = input_ids[:, self.consumed + 1:committed + 1]      # the runner copies host tokens in, no sync
+        out = self.runner.forward((self.features[:, :n], tokens), self.cache, logits_positions=slice(-1, None))
+        self.features, self.consumed = self.features[:, n:], committed
+        self.buffers.hidden[0].copy_(out.hidden_states[0][0, -1])       # what the root's children read
+        return out.logits[0, -1]
 
     def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
         b = self.buffers

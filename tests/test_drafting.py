@@ -1,11 +1,14 @@
-"""The tree selection on the device (``DraftBuffers.select_tree``) against the host's ``DynamicTreeDrafter._select``:
-same nodes, same order, same parents, on random candidate sets with exact score ties and certain (log-prob 0) drafts."""
+"""Drafting: the tree selection on the device (``DraftBuffers.select_tree``) against the host's
+``DynamicTreeDrafter._select`` (same nodes, order and parents, on random candidate sets with exact score ties and
+certain (log-prob 0) drafts), and proposed trees against what the drafter model predicts."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specla_hf.drafting import DraftBuffers, DynamicTreeDrafter, _Candidate
+from conftest import tiny_gdn
+from specla_hf.drafting import DraftBuffers, DraftOptions, DynamicTreeDrafter, GDNDrafter, _Candidate
+from test_cuda_graphs import emulate_graphs
 
 
 def random_candidates(b: DraftBuffers, depth: int, gen: torch.Generator) -> None:
@@ -58,3 +61,31 @@ def test_device_selection_is_the_host_selection(topk, depth, budget):
             assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents), (trial, depths)
             assert torch.allclose(got.log_probs, want.log_probs.double())
             assert len(want) == 1 + min(budget, topk + (depths - 1) * topk * topk)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_proposed_trees_score_what_the_drafter_model_predicts(graphs):
+    """Every draft node's cumulative log-prob is its parent's plus the drafter model's log-prob of the node's token
+    after the sequence and the path to it (a plain forward). Covers the root consumed by ``start`` (depth 1 reads its
+    distribution; deeper passes see its children as children of the drafter's committed state) and the catch-up of
+    a second proposal after the sequence grew, eager and with (emulated) CUDA graphs."""
+    model = tiny_gdn(seed=61)
+    if graphs:
+        emulate_graphs(model, "drafter")
+    drafter = GDNDrafter(model, DraftOptions(depth=3, topk=2, budget=20))
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 97, (1, 6), generator=gen)
+    for grow in (0, 3):
+        ids = torch.cat([ids, torch.randint(0, 97, (1, grow), generator=gen)], 1)
+        tree = drafter.propose(ids)
+        assert len(tree) == 1 + 2 + 2 * 2 * 2 and drafter.consumed == ids.shape[1]
+        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+        for i in range(1, len(tree)):
+            path, node = [], parents[i]
+            while node > 0:
+                path.insert(0, tokens[node])
+                node = parents[node]
+            with torch.no_grad():
+                logits = model(torch.cat([ids, torch.tensor([path], dtype=ids.dtype)], 1)).logits[0, -1]
+            expected = tree.log_probs[parents[i]] + torch.log_softmax(logits.float(), -1)[tokens[i]]
+            torch.testing.assert_close(tree.log_probs[i].float(), expected.float(), rtol=1e-4, atol=1e-4)

@@ -133,9 +133,11 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     buf = eagle.buffers = eagle._buffers()
     buf.reset()
     buf.tokens[0] = ids[0, 7]                                    # root: the pending token
-    eagle.start(ids[:, :8])
-    torch.testing.assert_close(eagle.score(1)[0], logp_seq[6], **tol)
-    buf.tokens[1], buf.parents[1] = ids[0, 8], 0                 # a depth-1 node below the root
+    # start consumes positions 0..6, the root (position 6) included, and returns the root's draft distribution
+    torch.testing.assert_close(eagle.start(ids[:, :8]), logp_seq[6], **tol)
+    assert eagle.consumed == 7 and eagle.cache.seq_length == 7
+    # a depth-1 node: its parent, the root, is in the committed state; it reads the root's output hidden
+    buf.tokens[1], buf.parents[1] = ids[0, 8], -1
     eagle.add_nodes(1, torch.tensor([0]))
     torch.testing.assert_close(eagle.score(2)[1], logp_deep, **tol)
     # the target verifies the chain ids[7..10], accepts all of it, and hands over its features
@@ -143,12 +145,11 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     verify = runner.forward(ids[:, 7:11], cache, parents=chain, hidden_layers=eagle.feature_layers)
     cache.commit(3)
     eagle.add_features(verify.hidden_states)
-    # the drafter catches up on positions 6..9 with true features; the new root is position 10
+    # the drafter catches up on positions 7..10 with true features, the new root (position 10) included
     buf.reset()
     buf.tokens[0] = ids[0, -1]                                   # the new pending token
-    eagle.start(ids)
-    torch.testing.assert_close(eagle.score(1)[0], logp_seq[10], **tol)
-    assert eagle.consumed == 10 and eagle.cache.seq_length == 10
+    torch.testing.assert_close(eagle.start(ids), logp_seq[10], **tol)
+    assert eagle.consumed == 11 and eagle.cache.seq_length == 11
 
 
 def test_one_token_prompt_has_a_zero_feature_root(target, drafter):

@@ -7,10 +7,12 @@ write anything, before ``gdc_wait`` returns. The GEMV (``gemv.py``) allows its d
 weight load (weights depend on no kernel), then waits. Kernels of other libraries in between (fla's recurrence,
 torch's) launch normally, and a PDL kernel after one of them waits for it to finish. Graph capture keeps PDL edges.
 
-Measured on the H200 (docs/kernels.md, session 5): the step replay 1.39 -> 1.27 ms and 32 greedy steps 1.24 ->
-1.17 ms per token with PDL. The same early start for the verify pass's and the drafter's small kernels (tree conv,
-gate, tree delta rule, gated norm, commit, top-k, expansion) made a 32-node verify 12% slower and a drafter pass over
-9 nodes 68% slower in the same run (dependents parked on the SMs while those kernels ran), so they launch normally.
+Measured on the H200 (docs/results.md, session 6, settings alternating): the step replay 1.242 -> 1.154 ms and 32
+greedy steps 1.205 -> 1.142 ms per token with PDL. For the verify pass's and the drafter's small kernels (tree conv,
+gate, tree delta rule, gated norm, commit, top-k, expansion) session 5 measured a 32-node verify 12% and a drafter
+pass 68% slower with PDL, but with PDL always timed first; session 6's run of that harness showed a 35% gap on the
+drafter pass between two setups that differ in nothing it launches. So that verdict is not established; the small
+kernels launch normally until an alternating A/B says otherwise.
 """
 from __future__ import annotations
 
