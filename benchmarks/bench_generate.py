@@ -240,11 +240,18 @@ def main():
     ap.add_argument("--stages", default="large,small,fp32,fp32-large",
                     help="comma-separated: large (1.3B shape, bf16), small (trained target, bf16), fp32, fp32-large "
                          "(greedy identity in fp32 on each)")
+    ap.add_argument("--tree-shapes", default="",
+                    help="extra SpecLA tree methods, comma-separated depth/topk/budget (e.g. 7/4/31,8/3/31): tree "
+                         "shapes compared in the same run as the default")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     stages = set(args.stages.split(","))
+    for shape in filter(None, args.tree_shapes.split(",")):
+        depth, topk, budget = (int(x) for x in shape.split("/"))
+        METHODS[f"specla_tree_{depth}x{topk}b{budget}"] = dict(tree=True, confidence_threshold=0.0, draft_depth=depth,
+                                                               tree_topk=topk, tree_budget=budget)
     models = load_models(args.target, args.drafter, device=args.device,
                          dtype="bfloat16" if args.device == "cuda" else "float32")
     target, drafter, tok = models.target, models.drafter, models.tokenizer
