@@ -23,11 +23,12 @@ from specla_hf.drafting import DraftOptions, DynamicTreeDrafter, GDNDrafter
 from specla_hf.gdn import GDNRunner
 
 CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
-# a tree of budget + 1 nodes is verified in a power-of-two bucket: 31 drafts + the root fill the 32-node bucket that
-# any budget over 15 pays for anyway (docs/drafter.md, tree shapes). No pruning by default: a verify pass costs about
-# the same from 4 to 32 nodes on the H200, so pruning loses more tau than it saves time (docs/results.md, session 3:
-# tree 1.13 vs tree + pruning at 0.05 1.26 decode ms/token at the 1.3B shape); pass confidence_threshold to prune
-TREE_DEFAULTS = DraftOptions(depth=6, topk=4, budget=31, threshold=0.0)
+# a tree of budget + 1 nodes is verified in a power-of-two bucket: 63 drafts + the root fill the 64-node bucket. With
+# the session-6 drafter (tau > 5) depth 6 capped the tree: on the H200 at the 1.3B shape, depth 8 / top-4 / budget 63
+# decoded at 2.05-2.20x our AR against 2.03-2.08x for 6 / 4 / 31 in the same run (docs/results.md, session 6). No
+# pruning by default: a verify pass costs about the same from 4 to 32 nodes on the H200, so pruning loses more tau
+# than it saves time (same run: 1.63-1.82x); pass confidence_threshold to prune
+TREE_DEFAULTS = DraftOptions(depth=8, topk=4, budget=63, threshold=0.0)
 
 
 @dataclass
