@@ -204,10 +204,10 @@ class DynamicTreeDrafter(CandidateGenerator):
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
         """Catch the drafter's committed state up on ``input_ids``. Normally the pending token (``input_ids``' last,
-        the root) is consumed too, and its draft log-probs ``[vocab]`` (fp32) are returned (module docstring); the
-        subclass then writes what the root's children read of it into ``self.buffers`` (``add_nodes``). ``None``:
-        the root stays out of the committed state; its inputs are written to slot 0 and depth 1 scores it (its
-        token is written by ``launch``)."""
+        the root) is consumed too and its draft log-probs ``[vocab]`` (fp32) are returned (module docstring), after
+        writing into ``self.buffers`` whatever ``add_nodes`` reads of the root for its children (e.g. its output
+        hidden state). ``None``: the root stays out of the committed state; its inputs go to slot 0 and depth 1
+        scores it (its token is written by ``launch``)."""
         raise NotImplementedError
 
     def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
