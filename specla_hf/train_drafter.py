@@ -16,6 +16,10 @@
    greedy) on held-out prompts. Checkpoints every ``--save-every-s`` (``--resume`` continues one). The drafter is
    saved in ``--save-dtype`` with ``train_log.json``; the final evaluation compares chain, tree and pruned tree.
 
+Stages: ``--steps 0`` only writes the sequences (into the checkpoint); ``--sequences-from`` trains on those of one or
+more such runs instead of writing new ones (the target's text written on a CPU, trained on a GPU), and
+``--init-from`` starts from a trained drafter rather than a fresh one.
+
 Hugging Face's ``hidden_states[i]`` is the input of block ``i`` (= ``GDNRunner`` layer ``i``) for ``i < L``; its last
 entry is the top block's output after the final norm, which ``EagleDrafter`` reproduces at decode time by applying
 the target's norm to ``GDNRunner`` layer ``L`` (see ``specla_hf.eagle``).
@@ -245,6 +249,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "else the last 5%% of its documents)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    ap.add_argument("--init-from", type=Path, help="start from this trained drafter (a folder or hub id) instead of "
+                    "a fresh one: a second stage on new data")
+    ap.add_argument("--sequences-from", type=Path, nargs="+", help="checkpoint folders of earlier runs: train on "
+                    "their target-written sequences.pt (e.g. written on the CPU with --steps 0) instead of new ones")
     ap.add_argument("--checkpoint-dir", type=Path, help="default: OUT/checkpoint")
     ap.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of the whole script")
     ap.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: budget only)")
@@ -281,9 +289,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_sequences(target: GatedDeltaNetForCausalLM, tokenizer: PreTrainedTokenizerFast, texts: list[str],
+                    args: argparse.Namespace, rng: random.Random, gen: torch.Generator) -> torch.Tensor:
+    """``--sequences`` corpus windows continued by the target (``continue_text``) in batches of ``--gen-batch``,
+    stopping early after ``--gen-seconds``: ``[n, prefix_len + gen_len]`` int32."""
+    t0 = t_warm = time.time()
+    rows, bar = [], tqdm(total=args.sequences, desc="target writes", unit="seq")
+    while sum(len(r) for r in rows) < args.sequences:
+        n = min(args.gen_batch, args.sequences - sum(len(r) for r in rows))
+        prompts = sample_windows(texts, tokenizer, n, args.prefix_len, rng).to(target.device)
+        rows.append(continue_text(target, prompts, args.gen_len, args.gen_temperature, gen).to(torch.int32))
+        bar.update(n)
+        if len(rows) == 1:
+            t_warm = time.time()      # the first batch pays for kernel compilation: not held against the cap
+        elif args.gen_seconds is not None and time.time() - t_warm > args.gen_seconds:
+            break
+    bar.close()
+    sequences = torch.cat(rows)
+    print(f"target wrote {len(sequences)} sequences of {sequences.shape[1]} tokens in {time.time() - t0:.1f} s "
+          f"({time.time() - t_warm:.1f} s after the first batch)")
+    return sequences
+
+
+def load_sequences(folders: list[Path]) -> torch.Tensor:
+    """The target-written ``sequences.pt`` of earlier runs' checkpoint folders, concatenated (one width)."""
+    parts = [torch.load(folder / "sequences.pt") for folder in folders]
+    widths = {p.shape[1] for p in parts}
+    if len(widths) > 1:
+        raise ValueError(f"--sequences-from folders hold sequences of different lengths {sorted(widths)}: "
+                         "pass runs made with the same --prefix-len + --gen-len")
+    return torch.cat(parts)
+
+
 def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
     args = parse_args(argv)
+    if args.resume and (args.init_from or args.sequences_from):
+        raise ValueError("--resume continues a checkpoint with its own weights and sequences: drop --init-from / "
+                         "--sequences-from")
     deadline = t_start + args.minutes * 60
     ckpt_dir = args.checkpoint_dir or args.out / "checkpoint"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu")
@@ -332,25 +375,19 @@ def main(argv: list[str] | None = None) -> None:
         saved = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
         print(f"resumed from {ckpt_dir} at step {saved['step']}")
     else:
-        overrides = dict(num_heads=2, head_dim=16) if args.cpu_smoke else {}
-        cfg = SpecLADrafterConfig.for_target(target.config, feature_layers=args.feature_layers,
-                                             hidden_ratio=args.hidden_ratio, **overrides)
-        drafter = SpecLADrafter(cfg)
-        t0 = t_warm = time.time()
-        rows, bar = [], tqdm(total=args.sequences, desc="target writes", unit="seq")
-        while sum(len(r) for r in rows) < args.sequences:
-            n = min(args.gen_batch, args.sequences - sum(len(r) for r in rows))
-            prompts = sample_windows(texts, tokenizer, n, args.prefix_len, rng).to(device)
-            rows.append(continue_text(target, prompts, args.gen_len, args.gen_temperature, gen).to(torch.int32))
-            bar.update(n)
-            if len(rows) == 1:
-                t_warm = time.time()      # the first batch pays for kernel compilation: not held against the cap
-            elif args.gen_seconds is not None and time.time() - t_warm > args.gen_seconds:
-                break
-        bar.close()
-        sequences = torch.cat(rows)
-        print(f"target wrote {len(sequences)} sequences of {sequences.shape[1]} tokens in {time.time() - t0:.1f} s "
-              f"({time.time() - t_warm:.1f} s after the first batch)")
+        if args.init_from:
+            drafter = SpecLADrafter.from_pretrained(args.init_from, dtype=torch.float32)
+            drafter.check_target(target)
+        else:
+            overrides = dict(num_heads=2, head_dim=16) if args.cpu_smoke else {}
+            cfg = SpecLADrafterConfig.for_target(target.config, feature_layers=args.feature_layers,
+                                                 hidden_ratio=args.hidden_ratio, **overrides)
+            drafter = SpecLADrafter(cfg)
+        if args.sequences_from:
+            sequences = load_sequences(args.sequences_from)
+            print(f"training on {len(sequences)} sequences of {sequences.shape[1]} tokens written earlier")
+        else:
+            sequences = write_sequences(target, tokenizer, texts, args, rng, gen)
     drafter = drafter.to(device).train()
     sequences = sequences.to(device)
     n_params = sum(p.numel() for p in drafter.parameters())

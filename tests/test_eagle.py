@@ -279,6 +279,16 @@ def test_cpu_smoke_training_lowers_the_loss_resumes_and_drafts_losslessly(tmp_pa
     assert log["final_loss"] < 0.8 * log["initial_loss"]
     assert set(log["final_eval"]) == {"chain", "tree", "tree+pruning"}
     assert all(r["tau"] >= 1.0 and r["identical"] == 1.0 for r in log["final_eval"].values())
+    # a second stage: the trained drafter on the sequences the first run wrote (no new ones), starting where it ended
+    stage2 = tmp_path / "stage2"
+    train_drafter.main([a if a != str(out) else str(stage2) for a in common]
+                       + ["--steps", "5", "--init-from", str(out), "--sequences-from", str(out / "checkpoint")])
+    assert "training on 48 sequences of 64 tokens written earlier" in capsys.readouterr().out
+    log2 = json.loads((stage2 / "train_log.json").read_text())
+    assert log2["steps"] == 5 and log2["error"] is None and log2["sequences"] == [48, 64]
+    assert log2["initial_loss"] < 0.8 * log["initial_loss"]
+    with pytest.raises(ValueError, match="drop --init-from"):
+        train_drafter.main(common + ["--resume", "--init-from", str(out)])
 
     # the saved drafter drives the smoke target losslessly
     target = train_drafter.smoke_target(8192, seed=0)
