@@ -184,8 +184,7 @@ class GDNRunner:
         self.graphs = (GraphedForward(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
                        if cuda_graphs else None)
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
-        self.fusable = supports_fused_step(model)
-        self.fused_step = self.fusable                 # tests turn it off to compare with the general path
+        self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
         self._caches: dict[int, SpecLACache] = {}
 
     @classmethod
