@@ -366,28 +366,27 @@ def main(argv: list[str] | None = None) -> None:
                                   random.Random(args.seed + 1), from_start=True)
     print(f"corpus: {len(texts)} training / {len(eval_texts)} held-out documents")
 
-    # drafter, optimizer, training sequences: fresh or from the checkpoint
+    # drafter, optimizer, training sequences: fresh, from earlier runs (--init-from, --sequences-from) or from the
+    # checkpoint (--resume: both, and the optimizer)
     state = {"step": 0, "cursor": 0, "perm": [], "history": [], "evals": []}
-    if args.resume:
-        drafter = SpecLADrafter.from_pretrained(ckpt_dir, dtype=torch.float32)
+    trained = ckpt_dir if args.resume else args.init_from
+    if trained:
+        drafter = SpecLADrafter.from_pretrained(trained, dtype=torch.float32)
         drafter.check_target(target)
-        sequences = torch.load(ckpt_dir / "sequences.pt")
+    else:
+        overrides = dict(num_heads=2, head_dim=16) if args.cpu_smoke else {}
+        cfg = SpecLADrafterConfig.for_target(target.config, feature_layers=args.feature_layers,
+                                             hidden_ratio=args.hidden_ratio, **overrides)
+        drafter = SpecLADrafter(cfg)
+    written = [ckpt_dir] if args.resume else args.sequences_from
+    if written:
+        sequences = load_sequences(written)
+        print(f"training on {len(sequences)} sequences of {sequences.shape[1]} tokens written earlier")
+    else:
+        sequences = write_sequences(target, tokenizer, texts, args, rng, gen)
+    if args.resume:
         saved = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
         print(f"resumed from {ckpt_dir} at step {saved['step']}")
-    else:
-        if args.init_from:
-            drafter = SpecLADrafter.from_pretrained(args.init_from, dtype=torch.float32)
-            drafter.check_target(target)
-        else:
-            overrides = dict(num_heads=2, head_dim=16) if args.cpu_smoke else {}
-            cfg = SpecLADrafterConfig.for_target(target.config, feature_layers=args.feature_layers,
-                                                 hidden_ratio=args.hidden_ratio, **overrides)
-            drafter = SpecLADrafter(cfg)
-        if args.sequences_from:
-            sequences = load_sequences(args.sequences_from)
-            print(f"training on {len(sequences)} sequences of {sequences.shape[1]} tokens written earlier")
-        else:
-            sequences = write_sequences(target, tokenizer, texts, args, rng, gen)
     drafter = drafter.to(device).train()
     sequences = sequences.to(device)
     n_params = sum(p.numel() for p in drafter.parameters())
