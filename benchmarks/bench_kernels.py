@@ -11,7 +11,10 @@ own state and inputs, 63 MiB of states in all):
 - ``fla chain``: fla's ``fused_recurrent_gated_delta_rule`` on a chain of N tokens (outputs only);
 - ``snapshot``: the tree verified the snapshot way: fla's fused_recurrent once per node from its parent's state,
   writing a full [HV, V, K] fp32 state per node;
-- ``commit``: ``commit_states_`` + ``commit_windows_`` of the tree's deepest path (all layers: one launch each).
+- ``tree`` includes building the tree's ancestor mask once (``tree_ancestors``), which every layer reads, as a
+  verify pass does;
+- ``commit``: ``commit_`` of the tree's deepest path, every layer's state and window in one launch, with the
+  ancestor mask the verify pass left (as the cache commits); ``commit_sweep``: the same at other state tile shapes.
 and it reports bytes moved against the measured device-to-device copy bandwidth, and factor vs snapshot memory.
 """
 from __future__ import annotations
@@ -26,9 +29,10 @@ import torch
 import triton
 
 from specla_kernels import reference as ref
-from specla_kernels.commit import commit_state_, commit_states_, commit_windows_
+from specla_kernels.commit import COMMIT_TILE, commit_
+from specla_kernels.ops import commit_state_
 from specla_kernels.tree_conv import tree_conv
-from specla_kernels.tree_delta import tree_config, tree_gated_delta_rule
+from specla_kernels.tree_delta import tree_ancestors, tree_config, tree_gated_delta_rule
 
 LAYERS, H, HV, K, V, B = 21, 6, 6, 256, 512, 1
 CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share one depthwise conv of width 4
@@ -38,6 +42,9 @@ SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=
          32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64)],
          64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(num_warps=2)],
          128: [dict(BC=32), dict(num_warps=4), dict(BV=16), dict(BV=64)]}
+# state tiles [BV, BK] of one commit program
+COMMIT_SWEEP = [dict(BV=bv, BK=bk, BP=bp) for bv, bk, bp in ((64, 64, 16), (32, 64, 16), (64, 128, 16), (128, 64, 16),
+                                                             (64, 256, 16), (64, 64, 32))]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -127,7 +134,8 @@ def main() -> None:
                                use_qk_l2norm_in_kernel=True, state_v_first=True)
         depth = ref.tree_depth(ref.tree_ancestors(parents))[0]
         accepted = depth.argmax().reshape(1)                                  # commit the deepest path
-        s_k = L0["state"].clone()
+        state0 = L0["state"].clone()          # the timed commits below rewrite the states in place
+        s_k = state0.clone()
         commit_state_(s_k, k_hat, u, L0["g"], parents, accepted)
         s_r = ref.commit_state_ref(L0["state"], k_r, u_r, L0["g"], parents, accepted)
         checks = dict(o_vs_ref=rel(o, o_r), u_vs_ref=rel(u, u_r), k_hat_vs_ref=rel(k_hat, k_r),
@@ -152,8 +160,11 @@ def main() -> None:
 
         # ---- times: one layer and all layers, each a CUDA graph
         def tree(ls, over=None):
-            return lambda: [tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"],
-                                                  config=over) for L in ls]
+            def run():
+                anc = tree_ancestors(parents)
+                return [tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"],
+                                              ancestors=anc, config=over) for L in ls]
+            return run
 
         def fla_chain(ls):
             return lambda: [fla_recurrent(q=L["q"], k=L["k"], v=L["v"], g=L["g"], beta=L["beta"],
@@ -180,11 +191,14 @@ def main() -> None:
             _, kh, uu = tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"])
             factors.append((kh, uu))
 
-        def commit(ls):      # every layer in one launch for the states and one for the windows, as the cache does
+        anc = tree_ancestors(parents)
+
+        def commit(ls, tile=None):      # every layer's state and window in one launch, as the cache commits
             fs = factors[:len(ls)]
-            return lambda: (commit_states_([L["state"] for L in ls], [kh for kh, _ in fs], [uu for _, uu in fs],
-                                           [L["g"] for L in ls], parents, accepted),
-                            commit_windows_([L["x"] for L in ls], [L["window"] for L in ls], parents, accepted))
+            return lambda: commit_(parents, accepted, ancestors=anc, tile=tile,
+                                   states=([L["state"] for L in ls], [kh for kh, _ in fs], [uu for _, uu in fs],
+                                           [L["g"] for L in ls]),
+                                   windows=([L["x"] for L in ls], [L["window"] for L in ls]))
 
         def conv(ls):
             w = torch.randn(CONV_D, CONV_W, device=dev)
@@ -196,6 +210,11 @@ def main() -> None:
                            ("conv", conv)]:
             row[f"{name}_1_ms"] = bench_graph(make(layers[:1]))
             row[f"{name}_21_ms"] = bench_graph(make(layers))
+        row["commit_sweep"] = []
+        for t in COMMIT_SWEEP:
+            s_t = state0.clone()                  # each tile shape checked on layer 0, then timed on all layers
+            commit_(parents, accepted, ancestors=anc, tile=t, states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
+            row["commit_sweep"].append(dict(tile=t, err=rel(s_t, s_r), ms_21=bench_graph(commit(layers, t))))
         if best:
             row["tree_best_1_ms"] = bench_graph(tree(layers[:1], best["config"]))
             row["tree_best_21_ms"] = bench_graph(tree(layers, best["config"]))
@@ -237,6 +256,9 @@ def main() -> None:
               f"| {tb / r['fla_chain_21_ms']:.2f} | {r['snapshot_21_ms'] * us:.1f} | {r['commit_1_ms'] * us:.1f} "
               f"| {r['commit_21_ms'] * us:.1f} | {r['conv_21_ms'] * us:.1f} | {r['tree_GBps']:.0f} "
               f"| {r['commit_GBps']:.0f} | {r['path_len']} | {'ok' if r['ok'] else 'FAIL'} | {best} |")
+    for r in out["rows"]:
+        print(f"commit 21L at N = {r['N']}, us (rel err vs reference): "
+              + ", ".join(f"{c['tile']} {c['ms_21'] * us:.1f} ({c['err']:.0e})" for c in r["commit_sweep"]))
     print(f"\nper draft node, 21 layers: factors {factor_node / 2**20:.3f} MiB (+ raw conv inputs "
           f"{conv_node / 2**20:.3f} MiB) vs snapshot {snapshot_node / 2**20:.1f} MiB: "
           f"{100 * factor_node / snapshot_node:.2f}% ({100 * (factor_node + conv_node) / snapshot_node:.2f}% with conv "

@@ -5,9 +5,9 @@ median of many replays after warm-up):
 - ``ar_step``: the target consuming one token (our autoregressive step); ``prompt_pass_128``: a 128-token prompt
   consumed as graphed chains, and ``prompt_pass_128_eager`` through fla's chunked kernels;
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
-- ``pdl_ab``: ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_16/32`` and ``draft_tree9`` from
-  runners captured with programmatic dependent launch on and off, alternating (``--pdl-ab``: only these and the
-  prompt passes, a short run);
+- ``pdl_ab`` (``--ab pdl``): ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_16/32`` and
+  ``draft_tree9`` from runners captured under each setting (programmatic dependent launch on and off), in rotating
+  order (``--ab-only``: only these and the prompt passes, a short run);
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
   ``draft_step_tree`` / ``draft_step_chain``: its whole share of a step as the loop issues it (feature fusion,
@@ -26,6 +26,7 @@ import argparse
 import collections
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -145,55 +146,75 @@ def ar_tokens(runner: GDNRunner, token: torch.Tensor, cache, n: int) -> None:
         token = runner.forward(token, cache).logits[:, -1].argmax(-1, keepdim=True)
 
 
-def pdl_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.Generator, rounds: int = 4) -> dict:
-    """Programmatic dependent launch on vs off (``specla_kernels.pdl.USE_PDL``): runners built and captured under
-    each setting (own graphs and caches), then timed on the same inputs in alternating rounds (medians), so that
-    drift and order fall on both: the target's step, 32 greedy steps back to back (``ar_loop32``), verify passes of
-    16 and 32 nodes, the drafter's pass over a 9-node tree (no PDL kernel in it: its two columns differ by the
-    harness's own error). Run before anything starts the profiler (its callbacks stay and slow later launches)."""
+def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.Generator,
+               settings: dict[str, Callable[[], None]], step_only: bool, rounds: int = 4) -> dict:
+    """Launch settings side by side (``settings``: name -> a function that applies it; each module global they
+    change is read when a kernel is launched or captured): runners built and captured under each setting (own graphs
+    and caches), then timed on the same inputs in rounds whose order rotates (medians), so that drift and order fall
+    on all: the target's step, 32 greedy steps back to back (``ar_loop32``) and, unless ``step_only``, verify passes
+    of 16 and 32 nodes and the drafter's pass over a 9-node tree. Run before anything starts the profiler (its
+    callbacks stay and slow later launches)."""
     trees = {n: (torch.randint(0, big.config.vocab_size, (1, n), generator=gen), random_tree(n, gen)) for n in (16, 32)}
     H, dev = drafter.config.hidden_size, big.device
     feats9 = torch.randn(1, 9, H, generator=gen).to(dev, big.dtype)
     toks9 = torch.randint(0, big.config.vocab_size, (1, 9), generator=gen).to(dev)
     tree9 = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 1, 1]], device=dev)
     setups = {}
-    for on in (True, False):
-        pdl.USE_PDL = on
+    for name, apply in settings.items():
+        apply()
         runner = GDNRunner(big)
         cache = runner.new_cache(1)
         runner.forward(prompt, cache, logits_positions=slice(0, 0))
-        drunner = _BlockRunner(drafter, big)
-        dcache = drunner.new_cache(1)
-
-        def verify(ids, parents, runner=runner, cache=cache):
-            runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
-            cache.discard()
-
-        def draft_tree9(drunner=drunner, dcache=dcache):
-            drunner.forward((feats9, toks9), dcache, parents=tree9)
-            dcache.discard()
         calls = {"ar_step": lambda runner=runner, cache=cache: runner.forward(token, cache),
-                 "ar_loop32": lambda runner=runner, cache=cache: ar_tokens(runner, token, cache, 32),
-                 **{f"verify_{n}": lambda t=t: verify(*t) for n, t in trees.items()},
-                 "draft_tree9": draft_tree9}
+                 "ar_loop32": lambda runner=runner, cache=cache: ar_tokens(runner, token, cache, 32)}
+        if not step_only:
+            drunner = _BlockRunner(drafter, big)
+            dcache = drunner.new_cache(1)
+
+            def verify(ids, parents, runner=runner, cache=cache):
+                runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
+                cache.discard()
+
+            def draft_tree9(drunner=drunner, dcache=dcache):
+                drunner.forward((feats9, toks9), dcache, parents=tree9)
+                dcache.discard()
+            calls |= {**{f"verify_{n}": lambda t=t: verify(*t) for n, t in trees.items()}, "draft_tree9": draft_tree9}
         for call in calls.values():
             call()                                          # captured now, under this setting
-        setups["on" if on else "off"] = calls
-    pdl.USE_PDL = True
+        setups[name] = calls
+    DEFAULTS()
     times = {k: collections.defaultdict(list) for k in setups}
+    names = list(setups)
     for r in range(rounds):
-        # which setting goes first alternates: in session 6, with "on" always first, the drafter pass (no PDL kernel
-        # in it, so PDL cannot be the cause) took 0.334 ms "on" and 0.247 ms "off"
-        for k in (("on", "off") if r % 2 == 0 else ("off", "on")):
+        # the order rotates: in session 6, with PDL "on" always first, the drafter pass (no PDL kernel in it, so PDL
+        # cannot be the cause) took 0.334 ms "on" and 0.247 ms "off"
+        for k in names[r % len(names):] + names[:r % len(names)]:
             for name, call in setups[k].items():
                 times[k][name].append(cuda_ms(call, reps=10 if name == "ar_loop32" else 50))
     return {k: {name: statistics.median(v) for name, v in t.items()} for k, t in times.items()}
 
 
+def _setting(**values):
+    """A function that sets ``pdl.USE_PDL`` (the keys given) and the others to their defaults. (Session 7 also
+    compared an L2 prefetch of the next GEMV's weights here: 0 / 4 / 12 / 24 MiB gave a step of 1.188 / 1.214 /
+    1.264 / 1.325 ms, so it was removed.)"""
+    def apply():
+        pdl.USE_PDL = values.get("pdl", True)
+    return apply
+
+
+DEFAULTS = _setting()
+AB = {  # name -> (settings, whether they change only the target's one-token step)
+    "pdl": ({"on": _setting(pdl=True), "off": _setting(pdl=False)}, False),
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--pdl-ab", action="store_true", help="only the prompt passes and the PDL on/off comparison")
+    ap.add_argument("--ab", default="pdl", help="comma-separated settings compared side by side before the "
+                    f"profile ({', '.join(AB)}; empty: none)")
+    ap.add_argument("--ab-only", action="store_true", help="only the prompt passes and the --ab comparisons")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     models = load_models(device="cuda", dtype="bfloat16")
@@ -218,11 +239,13 @@ def main():
     res["prompt_pass_128_eager"] = cuda_ms(lambda: eager.forward(prompt, eager.new_cache(1),
                                                                  logits_positions=slice(0, 0)), reps=10)
     del eager
-    res["pdl_ab"] = pdl_ab(big, drafter, prompt, token, gen)
-    print("| PDL | " + " | ".join(res["pdl_ab"]["on"]) + " |")
-    for k, v in res["pdl_ab"].items():
-        print(f"| {k} | " + " | ".join(f"{t:.3f}" for t in v.values()) + " |")
-    if args.pdl_ab:
+    for what in filter(None, args.ab.split(",")):
+        settings, step_only = AB[what]
+        ab = res[f"{what}_ab"] = setting_ab(big, drafter, prompt, token, gen, settings, step_only)
+        print(f"| {what} | " + " | ".join(next(iter(ab.values()))) + " |")
+        for k, v in ab.items():
+            print(f"| {k} | " + " | ".join(f"{t:.3f}" for t in v.values()) + " |")
+    if args.ab_only:
         (args.out / "profile_step.json").write_text(json.dumps(res, indent=1))
         return
     res["ar_step"] = cuda_ms(lambda: runner.forward(token, cache))

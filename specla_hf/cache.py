@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specla_kernels import ops
-from specla_kernels.reference import tree_ancestors, tree_depth
+from specla_kernels.reference import tree_depth
 
 
 class SpecLALayer(CacheLayerMixin):
@@ -88,6 +88,8 @@ class SpecLACache(Cache):
         first = layers[0]
         self.parents = self._no_parents = torch.empty(first.state.shape[0], 0, dtype=torch.long,
                                                       device=first.state.device)
+        self.ancestors = self._no_ancestors = torch.empty(first.state.shape[0], 0, 0, dtype=torch.bool,
+                                                          device=first.state.device)
         self.seq_length = 0
 
     @property
@@ -98,9 +100,17 @@ class SpecLACache(Cache):
         return self.seq_length
 
     def add_nodes(self, parents: torch.Tensor) -> torch.Tensor:
-        """Append nodes with ``parents`` (indices into all pending nodes); returns all pending parents."""
+        """Append nodes with ``parents`` (indices into all pending nodes); returns all pending parents. Their ancestor
+        mask (``ancestors``), which every layer's verify and the commit read, is built here once."""
         self.parents = torch.cat([self.parents, parents], 1)
+        self.ancestors = ops.tree_ancestors(self.parents)
         return self.parents
+
+    def commit_operands(self) -> dict[str, tuple[list[torch.Tensor], ...] | None]:
+        """The ``states`` and ``windows`` arguments of ``ops.commit_`` for every layer's pending nodes."""
+        layers = self.layers
+        return dict(states=tuple([getattr(l, name) for l in layers] for name in ("state", "k_hat", "u", "g")),
+                    windows=None if layers[0].window is None else ([l.x for l in layers], [l.window for l in layers]))
 
     def commit(self, accepted: torch.Tensor | int, path_length: int | None = None) -> None:
         """Keep the root-to-``accepted`` path of the pending nodes (index per sequence; -1 keeps none).
@@ -108,13 +118,9 @@ class SpecLACache(Cache):
         B = self.parents.shape[0]
         if isinstance(accepted, int):
             accepted = torch.full((B,), accepted, dtype=torch.long, device=self.parents.device)
-        layers = self.layers
-        ops.commit_states_([l.state for l in layers], [l.k_hat for l in layers], [l.u for l in layers],
-                           [l.g for l in layers], self.parents, accepted)
-        if layers[0].window is not None:
-            ops.commit_windows_([l.x for l in layers], [l.window for l in layers], self.parents, accepted)
+        ops.commit_(self.parents, accepted, ancestors=self.ancestors, **self.commit_operands())
         if path_length is None:
-            depth = tree_depth(tree_ancestors(self.parents))
+            depth = tree_depth(self.ancestors)
             # batch 1 is what the decoding loop drives; for B > 1 every sequence must accept the same count
             path_len = torch.where(accepted >= 0, depth.gather(1, accepted.clamp(min=0)[:, None])[:, 0] + 1, 0)
             lengths = set(path_len.tolist())
@@ -135,7 +141,7 @@ class SpecLACache(Cache):
         """Drop the pending nodes without committing any (the committed state is untouched: nothing to run)."""
         for layer in self.layers:
             layer.drop_pending()
-        self.parents = self._no_parents
+        self.parents, self.ancestors = self._no_parents, self._no_ancestors
 
     def factor_bytes(self) -> int:
         return sum(layer.factor_bytes() for layer in self.layers)
@@ -143,5 +149,5 @@ class SpecLACache(Cache):
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
-        self.parents = self._no_parents
+        self.parents, self.ancestors = self._no_parents, self._no_ancestors
         self.seq_length = 0

@@ -84,7 +84,7 @@ class _Graph:
     parents: torch.Tensor | None
     prefix: tuple | None            # static copies of the pending parents and factors the call extends
     out: object                     # RunnerOutput of the captured call
-    pending: tuple | None           # (cache.parents, [(k_hat, u, g, x) per layer]) right after the call
+    pending: tuple | None           # (cache.parents, cache.ancestors, [(k_hat, u, g, x) per layer]) after the call
     commit: object = None           # a tree call's commit graph (captured on first commit), and its accepted node
     accepted: torch.Tensor | None = None
 
@@ -138,7 +138,7 @@ class GraphedForward:
         if parents is None:
             cache.seq_length += num_tokens(inputs)
         else:
-            cache.parents, factors = g.pending
+            cache.parents, cache.ancestors, factors = g.pending
             for layer, (k_hat, u, gate, x) in zip(cache.layers, factors):
                 layer.k_hat, layer.u, layer.g, layer.x = k_hat, u, gate, x
             self.last_tree = g
@@ -153,15 +153,11 @@ class GraphedForward:
         if g.commit is None:
             from specla_kernels import ops
             g.accepted = torch.full((1,), -1, dtype=torch.long, device=g.parents.device)
-            parents, factors = g.pending
-            k_hats, us, gs, xs = (list(per_layer) for per_layer in zip(*factors))
-            states = [layer.state for layer in cache.layers]
-            windows = [layer.window for layer in cache.layers]
+            parents, ancestors, _ = g.pending
+            operands = cache.commit_operands()          # the cache holds this graph's outputs as its pending nodes
 
             def commit_all():
-                ops.commit_states_(states, k_hats, us, gs, parents, g.accepted)
-                if windows[0] is not None:
-                    ops.commit_windows_(xs, windows, parents, g.accepted)
+                ops.commit_(parents, g.accepted, ancestors=ancestors, **operands)
             # captured with accepted = -1: the warm-up run inside `capture` then commits nothing
             g.commit = capture_or_warn(commit_all, "the commit", "committing eagerly", self.emulate) or False
         if g.commit is False:
@@ -184,7 +180,8 @@ class GraphedForward:
 
         def call():
             out = self.runner._forward(static_inputs, cache, static_parents, logits_positions, hidden_layers)
-            pending = None if parents is None else (cache.parents, [(l.k_hat, l.u, l.g, l.x) for l in cache.layers])
+            pending = None if parents is None else (cache.parents, cache.ancestors,
+                                                    [(l.k_hat, l.u, l.g, l.x) for l in cache.layers])
             return out, pending
 
         # the restores stay OUTSIDE the captured region: a copy recorded in a graph would be replayed on every step
@@ -268,11 +265,11 @@ def _plain(result):
 
 
 def _python_side(cache) -> tuple:
-    return cache.seq_length, cache.parents, [(l.k_hat, l.u, l.g, l.x) for l in cache.layers]
+    return cache.seq_length, cache.parents, cache.ancestors, [(l.k_hat, l.u, l.g, l.x) for l in cache.layers]
 
 
 def _set_python_side(cache, side) -> None:
-    cache.seq_length, cache.parents, factors = side
+    cache.seq_length, cache.parents, cache.ancestors, factors = side
     for layer, (k_hat, u, g, x) in zip(cache.layers, factors):
         layer.k_hat, layer.u, layer.g, layer.x = k_hat, u, g, x
 
@@ -282,16 +279,17 @@ def _slice_key(s: slice | None):
 
 
 def _snapshot(cache) -> tuple:
-    return (cache.seq_length, cache.parents, [(l.state.clone(), None if l.window is None else l.window.clone(),
+    return (cache.seq_length, cache.parents, cache.ancestors, [(l.state.clone(), None if l.window is None else l.window.clone(),
                                               l.k_hat, l.u, l.g, l.x) for l in cache.layers])
 
 
 def _restore(cache, saved, prefix) -> None:
     """Put the cache back as it was before a warm-up/capture (state and window in place: graphs hold their
     addresses); with ``prefix``, the pending factors are the graph's static prefix buffers."""
-    seq_length, parents, layers = saved
+    seq_length, parents, ancestors, layers = saved
     cache.seq_length = seq_length
     cache.parents = parents if prefix is None else prefix[0]
+    cache.ancestors = ancestors          # the prefix's too (a graph's add_nodes rebuilds them from the parents)
     for i, (layer, (state, window, k_hat, u, g, x)) in enumerate(zip(cache.layers, layers)):
         layer.state.copy_(state)
         if window is not None:

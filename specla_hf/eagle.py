@@ -215,7 +215,7 @@ class _BlockRunner(GDNRunner):
             all_parents = cache.add_nodes(parents)
         x = self.model.block_input(fused, self.embeddings(tokens))
         block = self.blocks[0]
-        y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents)
+        y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents, cache.ancestors)
         y, residual = block.mlp_norm(y, residual=x, prenorm=True)
         h = residual + self._mlp(0, y)
         top = h if logits_positions is None else h[:, logits_positions]

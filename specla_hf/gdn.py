@@ -297,7 +297,7 @@ class GDNRunner:
         hidden = [h] if 0 in hidden_layers else []
         for i, block in enumerate(self.blocks):
             residual = h
-            x = self._mixer(i, block.attn_norm(h), cache.layers[i], all_parents)
+            x = self._mixer(i, block.attn_norm(h), cache.layers[i], all_parents, cache.ancestors)
             if self.config.fuse_norm:
                 x, residual = block.mlp_norm(x, residual=residual, prenorm=True)
             else:
@@ -333,7 +333,8 @@ class GDNRunner:
         norm = self.model.model.norm
         return ops.gemv(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps)).view(1, 1, -1)
 
-    def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None) -> torch.Tensor:
+    def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None,
+               ancestors: torch.Tensor) -> torch.Tensor:
         """Mixer ``i``: the fused input projection, the short conv and the delta rule (fla's stock kernels when
         consuming tokens; tree conv, tree kernel and factors when verifying nodes), the output norm and projection."""
         m = self.mixers[i]
@@ -373,7 +374,8 @@ class GDNRunner:
         else:
             g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias, m.allow_neg_eigval)
             prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
-            o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix)
+            o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
+                                                    ancestors=ancestors)
             layer.add_factors(k_hat, u, g, x)
 
         if m.use_gate and parents is not None:

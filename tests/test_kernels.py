@@ -17,11 +17,11 @@ import torch
 
 from specla_kernels import ops
 from specla_kernels import reference as ref
-from specla_kernels.commit import commit_state_, commit_states_, commit_window_, commit_windows_
+from specla_kernels.ops import commit_, commit_state_, commit_window_
 from specla_kernels.gate import gdn_gate_beta
 from specla_kernels.topk import row_topk as topk_kernel
 from specla_kernels.tree_conv import tree_conv
-from specla_kernels.tree_delta import INTERPRETED, tree_gated_delta_rule
+from specla_kernels.tree_delta import INTERPRETED, tree_ancestors, tree_gated_delta_rule
 
 DEVICES = [
     pytest.param("cpu", marks=[pytest.mark.interpret, pytest.mark.skipif(
@@ -132,6 +132,11 @@ def test_tree_delta_matches_reference(device, kind, dtype):
     check(k_hat, k_hat_ref, TOL[dtype], "k_hat")
     check(u, u_ref, TOL[dtype], "u")
     assert torch.equal(state, state_before), "verification must not touch the committed state"
+    # the mask given (as the runner gives every layer the cache's) computes the same
+    given = tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=ref.tree_ancestors(parents.cpu()).to(device))
+    assert all(torch.equal(a, b) for a, b in zip(given, (o, k_hat, u)))
+    with pytest.raises(ValueError, match="ancestors"):
+        tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=torch.ones(B, N, N + 1, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -151,6 +156,17 @@ def test_tree_delta_reads_column_slices_in_place(device, kind):
     for got, want in zip(tree_gated_delta_rule(qs, ks, vs, g, beta, parents, state),
                          tree_gated_delta_rule(q, k, v, g, beta, parents, state)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["chain", "star", "deep", "bushy", "single", "forest"])
+def test_tree_ancestors_matches_reference(device, kind):
+    """The ancestor mask kernel (built once per tree, read by every layer's verify and the commit) on each topology
+    and on every padded size (non-powers of two, up to 128 nodes)."""
+    gen = seeded(kind, 'ancestors')
+    for n in {SIZES[device][kind], 3, 17, 128} if kind not in ("single", "star") else {SIZES[device][kind]}:
+        parents = random_parents(kind, 3, n, gen).to(device)
+        assert torch.equal(tree_ancestors(parents).cpu(), ref.tree_ancestors(parents.cpu())), f"{kind}, {n} nodes"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -247,7 +263,7 @@ def test_verify_then_commit_equals_recurrence_along_path(device, kind):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["bushy", "deep", "single"])
 def test_commit_all_layers_in_one_launch(device, kind):
-    """``commit_states_`` / ``commit_windows_`` (one launch, per-layer address tables) equal the per-layer reference
+    """``commit_`` (one launch for every layer's state and window, per-layer address tables) equals the per-layer reference
     on layers with their own states, factors and windows (separate allocations, as in a model)."""
     gen = seeded(kind, 'layers')
     _, H, HV, K, V = SHAPES[device][0]
@@ -264,18 +280,18 @@ def test_commit_all_layers_in_one_launch(device, kind):
              ref.commit_window_ref(l["x"], l["window"], parents, accepted)) for l in layers]
     states = [l["state"].clone() for l in layers]
     windows = [l["window"].clone() for l in layers]
-    for _ in range(2):       # the second call reuses the cached address tables
+    for ancestors in (None, tree_ancestors(parents)):    # built by the kernel or given (as the cache gives it)
         for s, w, l in zip(states, windows, layers):
             s.copy_(l["state"])
             w.copy_(l["window"])
-        commit_states_(states, [l["k_hat"] for l in layers], [l["u"] for l in layers], [l["g"] for l in layers],
-                       parents, accepted)
-        commit_windows_([l["x"] for l in layers], windows, parents, accepted)
+        commit_(parents, accepted, ancestors=ancestors,
+                states=(states, *([l[name] for l in layers] for name in ("k_hat", "u", "g"))),
+                windows=([l["x"] for l in layers], windows))
         for i, (s, w, (s_want, w_want)) in enumerate(zip(states, windows, want)):
             check(s, s_want, 1e-3, f"state of layer {i}")
             assert torch.equal(w, w_want), f"window of layer {i}"
     with pytest.raises(ValueError, match="one shape"):
-        commit_windows_([layers[0]["x"], layers[1]["x"][:, :, :-1]], windows[:2], parents, accepted)
+        commit_(parents, accepted, windows=([layers[0]["x"], layers[1]["x"][:, :, :-1]], windows[:2]))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -71,9 +71,11 @@ def _call_every_wrapper():
     gated_norm.rms_norm_gated(z(1, N, H, V), z(1, N, H, V), z(V), None, 1e-5)
     x = z(1, N, D)
     tree_conv.tree_conv(x, z(D, W), None, z(1, D, W), parents, x_out=z(1, N, D))
-    commit.commit_states_([state, state.clone()], [z(1, N, H, K, dtype=f32)] * 2, [z(1, N, H, V, dtype=f32)] * 2,
-                          [z(1, N, H, dtype=f32)] * 2, parents, torch.zeros(1, dtype=torch.long))
-    commit.commit_windows_([x, x.clone()], [z(1, D, W), z(1, D, W)], parents, torch.zeros(1, dtype=torch.long))
+    tree_delta.tree_ancestors(parents)
+    anc = torch.zeros(1, N, N, dtype=torch.bool)
+    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc,
+                   states=([state, state.clone()], [z(1, N, H, K, dtype=f32)] * 2, [z(1, N, H, V, dtype=f32)] * 2,
+                           [z(1, N, H, dtype=f32)] * 2), windows=([x, x.clone()], [z(1, D, W), z(1, D, W)]))
     topk.row_topk(z(4, 16384), 4)
     draft_expand.expand_frontier(z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long), z(4, dtype=f32),
                                  torch.zeros(4, dtype=torch.long), z(3, 64, dtype=torch.float64),
@@ -91,9 +93,9 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     monkeypatch.setattr(pdl, "enabled", lambda device: True)     # launch as on the H200 (no GPU here)
     _call_every_wrapper()
     names = {fn.__name__ for fn, _, _ in launches}
-    assert {"tree_gdn_fwd_kernel", "gate_beta_kernel", "rms_norm_gated_kernel", "tree_conv_kernel",
-            "commit_weights_kernel", "row_topk_slices_kernel", "row_topk_merge_kernel", "expand_frontier_kernel",
-            "gemv_kernel"} <= names, names
+    assert {"tree_gdn_fwd_kernel", "ancestors_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",
+            "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel", "row_topk_merge_kernel",
+            "expand_frontier_kernel", "gemv_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if fn.__name__ == "gemv_kernel")
     seen = set()
     for fn, bound, options in launches:

@@ -1,21 +1,23 @@
-"""Triton kernels: commit an accepted root-to-node path, in place.
+"""Triton kernel: commit an accepted root-to-node path, in place, every layer's state and conv window in one launch.
 
-``commit_state_`` is :func:`specla_kernels.reference.commit_state_ref` done in place on the fp32 V-first state:
-with ``P`` the path from the committed state to the accepted node ``m`` and ``Γ`` the path log-decay,
+The state part is :func:`specla_kernels.reference.commit_state_ref` in place on the fp32 V-first state: with ``P``
+the path from the committed state to the accepted node ``m`` and ``Γ`` the path log-decay,
 
     S ← e^{Γ_m} S + Σ_{j∈P} e^{Γ_m-Γ_j} u_j k̂_jᵀ
 
-one rank-|P| update from the compact factors; the state is read once and written once. A first small kernel finds
-the path (row ``m`` of the ancestor mask, built as in the tree kernel) and its weights ``e^{Γ_m-Γ_j}`` once per
-(layer, sequence, value head); then each program of the update owns one [BV, BK] tile of one head's state: one
-round trip to memory, reading the factors of path nodes only.
-``commit_window_`` is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
+one rank-|P| update from the compact factors; the state is read once and written once. The path is row ``m`` of the
+tree's ancestor mask (``tree_ancestors``, built once per tree by the verify pass); since parents precede children,
+``Γ_m - Γ_j`` is the sum of the path's gates after ``j``: a cumulative sum, no mask to build. Each program owns one
+[BV, BK] tile of one head's state: it requests the tile first (it depends on nothing), then reads the path's gates
+and factors only (BP path nodes per dot), one store.
+The window part is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
 inputs of ``[old window, x along P]``. ``accepted[b] == -1`` leaves batch row ``b`` untouched in both.
 
-A decode step commits every layer at once, so the kernels take a table of per-layer base addresses
-(``commit_states_`` / ``commit_windows_``): two launches for all states and one for all windows, whatever the
-layer count (the layers' tensors are separate allocations: the pending factors are outputs of the verify pass). The
+The layers' tensors are separate allocations (the pending factors are outputs of the verify pass), so the kernel takes
+tables of per-layer base addresses; one grid holds the state tiles of every layer, then the window blocks. The
 tables are cached by address, so a decoding loop whose factors live in CUDA-graph output buffers builds them once.
+Before session 7 this was three launches (the path weights, the states, the windows), and the first rebuilt the
+ancestor mask of the tree per (layer, sequence, head).
 """
 from __future__ import annotations
 
@@ -23,117 +25,108 @@ import torch
 import triton
 import triton.language as tl
 
-from specla_kernels.tree_delta import ancestor_mask
+from specla_kernels.tree_delta import tree_ancestors
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-@triton.jit(do_not_specialize=["Nt", "n_sq", "BHV"])
-def commit_weights_kernel(
-    g_ptrs, parents, accepted, w, decay,
-    Nt, n_sq, BHV,
-    HV: tl.constexpr,
-    BN: tl.constexpr,
-):
-    """Per (layer, sequence, value head): the path weights ``w_j = e^{Γ_m-Γ_j}`` (0 off the path) and ``e^{Γ_m}``."""
-    i_lbh = tl.program_id(0)
-    i_l, i_bh = i_lbh // BHV, i_lbh % BHV
-    i_b, i_hv = i_bh // HV, i_bh % HV
+@triton.jit
+def _path(ancestors, accepted, i_b, Nt, BN: tl.constexpr):
+    """The accepted node ``m`` of sequence ``i_b`` and its path as a mask over the nodes (row ``m`` of the ancestor
+    mask; all False when ``m == -1``)."""
     m = tl.load(accepted + i_b).to(tl.int32)
-    g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
     rows = tl.arange(0, BN)
-    m_n = rows < Nt
-    p_n = tl.load(parents + i_b * Nt + rows, mask=m_n, other=-1).to(tl.int32)
-    b_g = tl.load(g + (i_b * Nt + rows).to(tl.int64) * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
-    anc = ancestor_mask(p_n, rows, n_sq, BN)
-    on_path = tl.sum(tl.where((rows == m)[:, None] & anc, 1, 0), 0) > 0         # row m of the mask
-    # Γ_j of a path node sums the gates of its own ancestors, i.e. of the path down to j
-    gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
-    gam_m = tl.sum(tl.where(rows == m, gam, 0.), 0)
-    tl.store(w + i_lbh.to(tl.int64) * BN + rows, tl.where(on_path, tl.exp(tl.minimum(gam_m - gam, 0.)), 0.))
-    tl.store(decay + i_lbh, tl.exp(gam_m))
+    row = tl.load(ancestors + (i_b * Nt + tl.maximum(m, 0)).to(tl.int64) * Nt + rows, mask=rows < Nt, other=0)
+    # (a vector compare, not `& (m >= 0)`: the interpreter turns a bool vector & bool scalar into int32)
+    return m, (row != 0) & (rows < tl.where(m >= 0, Nt, 0))
 
 
-@triton.jit(do_not_specialize=["Nt", "BHV"])
-def commit_state_kernel(
-    state_ptrs, k_hat_ptrs, u_ptrs, w, decay, accepted,
-    Nt, BHV,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-):
-    i_v, i_k, i_lbh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+@triton.jit
+def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_lbh, i_vk = pid // (NV * NK), pid % (NV * NK)
+    i_v, i_k = i_vk // NK, i_vk % NK
     i_l, i_bh = i_lbh // BHV, i_lbh % BHV
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    m = tl.load(accepted + i_b).to(tl.int32)
+    state = tl.load(state_ptrs + i_l).to(tl.pointer_type(tl.float32))
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_sk = (o_v < V)[:, None] & (o_k < K)[None, :]
+    p_sk = state + i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+    b_s = tl.load(p_sk, mask=m_sk, other=0.)
+    m, on_path = _path(ancestors, accepted, i_b, Nt, BN)
     if m >= 0:
-        state = tl.load(state_ptrs + i_l).to(tl.pointer_type(tl.float32))
         k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
         u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
-        o_v = i_v * BV + tl.arange(0, BV)
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_sk = (o_v < V)[:, None] & (o_k < K)[None, :]
-        p_sk = state + i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
-        b_s = tl.load(p_sk, mask=m_sk, other=0.)
+        g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
         rows = tl.arange(0, BN)
-        tok = (i_b * Nt + rows).to(tl.int64)
-        b_w = tl.load(w + i_lbh.to(tl.int64) * BN + rows)
-        on_path = b_w > 0.                  # (a path node whose weight underflowed to 0 contributes nothing anyway)
-        # only path rows are read
-        b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=on_path[:, None] & (o_v < V)[None, :],
-                      other=0.).to(tl.float32)
-        b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :],
-                       mask=on_path[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
-        b_s = b_s * tl.load(decay + i_lbh) + tl.dot(tl.trans(b_u * b_w[:, None]), b_kh, input_precision="tf32x3")
+        b_g = tl.load(g + (i_b * Nt + rows).to(tl.int64) * HV + i_hv, mask=on_path, other=0.)
+        gam_m = tl.sum(b_g, 0)
+        b_w = tl.where(on_path, tl.exp(gam_m - tl.cumsum(b_g, 0)), 0.)      # e^{Γ_m - Γ_j}: the gates after j
+        b_s = b_s * tl.exp(gam_m)
+        # the path's nodes BP at a time, in path order: the update costs what the path holds, not what the tree does
+        pos_of = tl.cumsum(on_path.to(tl.int32), 0) - 1
+        for first in range(0, tl.sum(on_path.to(tl.int32), 0), BP):
+            hit = on_path[None, :] & (pos_of[None, :] == first + tl.arange(0, BP)[:, None])       # [BP, BN]
+            node = tl.max(tl.where(hit, rows[None, :], -1), 1)
+            w_p = tl.sum(tl.where(hit, b_w[None, :], 0.), 1)
+            tok = (i_b * Nt + node).to(tl.int64)
+            b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
+                          mask=(node >= 0)[:, None] & (o_v < V)[None, :], other=0.)
+            b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :],
+                           mask=(node >= 0)[:, None] & (o_k < K)[None, :], other=0.)
+            b_s += tl.dot(tl.trans(b_u * w_p[:, None]), b_kh, input_precision="tf32x3")
         tl.store(p_sk, b_s, mask=m_sk)
 
 
-@triton.jit(do_not_specialize=["Nt", "B"])
-def commit_window_kernel(
-    x_ptrs, window_ptrs, parents, accepted,
-    Nt, D, B,
-    X_DTYPE: tl.constexpr,
-    W_DTYPE: tl.constexpr,
-    W: tl.constexpr,
-    BW: tl.constexpr,
-    BD: tl.constexpr,
-):
-    i_d, i_lb = tl.program_id(0), tl.program_id(1)
+@triton.jit
+def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
+                         X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
+                         BN: tl.constexpr, BD: tl.constexpr):
+    ND = tl.cdiv(D, BD)
+    i_lb, i_d = pid // ND, pid % ND
     i_l, i_b = i_lb // B, i_lb % B
-    m = tl.load(accepted + i_b).to(tl.int32)
+    m, on_path = _path(ancestors, accepted, i_b, Nt, BN)
     if m >= 0:
         x = tl.load(x_ptrs + i_l).to(tl.pointer_type(X_DTYPE))
         window = tl.load(window_ptrs + i_l).to(tl.pointer_type(W_DTYPE))
         o_d = i_d * BD + tl.arange(0, BD)
         m_d = o_d < D
-        col = tl.arange(0, BW)                   # window column t holds the input W-1-t steps above m
-        dist = W - 1 - col
-        # walk W-1 steps up from m; `depth` counts the steps that stayed inside the tree
-        cur = m
-        depth = 0
-        src = tl.where(dist == 0, m, -1)
-        win = tl.zeros([BW], dtype=tl.int32)
-        for s in tl.static_range(1, W):
-            if cur >= 0:
-                cur = tl.load(parents + i_b * Nt + cur).to(tl.int32)
-            src = tl.where(dist == s, cur, src)
-            # once the path has left the tree, distance s reads committed column W - s + depth(m)
-            win = tl.where(dist == s, W - s + depth, win)
-            depth += (cur >= 0).to(tl.int32)
+        rows = tl.arange(0, BN)
+        pos_of = tl.cumsum(on_path.to(tl.int32), 0) - 1           # a path node's position on the path (root: 0)
+        n_path = tl.sum(on_path.to(tl.int32), 0)
+        col = tl.arange(0, BW)
         m_col = col < W
+        # new column t is input n_path + t of [old window (W), path (n_path)], counting from W - 1 inputs back
+        pos = n_path + col - W                                     # < 0: old column n_path + t
+        src = tl.max(tl.where(on_path[None, :] & (pos_of[None, :] == pos[:, None]), rows[None, :], -1), 1)
         from_tree = tl.load(x + (i_b * Nt + src[None, :]).to(tl.int64) * D + o_d[:, None],
-                            mask=m_d[:, None] & (m_col & (src >= 0))[None, :], other=0.)
+                            mask=m_d[:, None] & (m_col & (pos >= 0))[None, :], other=0.)
         p_w = window + (i_b * D + o_d[:, None]).to(tl.int64) * W
-        from_win = tl.load(p_w + win[None, :], mask=m_d[:, None] & (m_col & (src < 0))[None, :], other=0.)
-        new = tl.where((src >= 0)[None, :], from_tree.to(W_DTYPE), from_win.to(X_DTYPE).to(W_DTYPE))
-        # new column t reads old column t + 1 + depth: every thread must have read before any writes
+        from_win = tl.load(p_w + (n_path + col)[None, :], mask=m_d[:, None] & (m_col & (pos < 0))[None, :], other=0.)
+        new = tl.where((pos >= 0)[None, :], from_tree.to(W_DTYPE), from_win.to(X_DTYPE).to(W_DTYPE))
+        # new column t reads old column t + n_path: every thread must have read before any writes
         tl.debug_barrier()
         tl.store(p_w + col[None, :], new, mask=m_d[:, None] & m_col[None, :])
+
+
+@triton.jit(do_not_specialize=["Nt", "BHV", "B", "D", "n_state"])
+def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, ancestors, accepted,
+                  Nt, BHV, B, D, n_state,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr,
+                  BW: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < n_state:
+        _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
+                           H, HV, K, V, BN, BK, BV, BP)
+    else:
+        _commit_window_block(pid - n_state, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
+                             X_DTYPE, W_DTYPE, W, BW, BN, BD)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
@@ -163,70 +156,54 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
         raise ValueError(f"{what} must be {dtype}, got {t0.dtype}")
 
 
-def commit_states_(
-    states: list[torch.Tensor],
-    k_hats: list[torch.Tensor],
-    us: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    parents: torch.Tensor,
-    accepted: torch.Tensor,
-) -> None:
-    """In-place ``commit_state_ref`` of every layer, one launch: per layer ``state [B,HV,V,K]`` fp32 and the factors of
-    ``Nt`` verified nodes (``k_hat [B,Nt,H,K]``, ``u [B,Nt,HV,V]``, ``g [B,Nt,HV]``, fp32), all contiguous and of one
-    shape across layers; one tree ``parents [B,Nt]`` and ``accepted [B]`` (-1: untouched) for all layers."""
-    for ts, what in ((states, "state"), (k_hats, "k_hat"), (us, "u"), (gs, "g")):
-        _same(ts, what, torch.float32)
-    B, HV, V, K = states[0].shape
-    Nt, H = k_hats[0].shape[1], k_hats[0].shape[2]
+# a program's [BV, BK] state tile and how many path nodes one update dot takes (benchmarks/bench_kernels.py sweeps
+# them; [64, 64] was the fastest tile in session 7's sweep at 1, 16 and 64 nodes)
+COMMIT_TILE = dict(BV=64, BK=64, BP=16)
+
+
+def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
+            states: tuple[list[torch.Tensor], ...] | None = None,
+            windows: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+            ancestors: torch.Tensor | None = None, tile: dict[str, int] | None = None) -> None:
+    """In-place ``commit_state_ref`` and ``commit_window_ref`` of every layer, one launch, for one tree ``parents
+    [B,Nt]`` (``ancestors``: its ``tree_ancestors`` when the caller has it) and ``accepted [B]`` (-1: untouched).
+    ``states = (states, k_hats, us, gs)``: per layer ``state [B,HV,V,K]`` fp32 and the factors of the ``Nt`` verified
+    nodes (``k_hat [B,Nt,H,K]``, ``u [B,Nt,HV,V]``, ``g [B,Nt,HV]``, fp32); ``windows = (xs, windows)``: per layer
+    ``x [B,Nt,D]`` raw inputs and ``window [B,D,W]`` (newest last). Each list contiguous and of one shape across
+    layers; either part may be ``None``."""
+    B, Nt = parents.shape
     if not 1 <= Nt <= 128:
         raise ValueError(f"one tree chunk holds 1..128 nodes, got {Nt}")
-    BN = max(16, triton.next_power_of_2(Nt))
-    BV, BK = 32, max(16, min(64, triton.next_power_of_2(K)))
-    LBH = len(states) * B * HV
-    parents, accepted = parents.contiguous(), accepted.contiguous()
-    # the path and its decays once per (layer, sequence, head), not once per state tile: the update programs then
-    # only stream the state (the ancestor mask of a 64-node tree in each of ~8000 programs cost ~5x the traffic)
-    w = torch.empty(LBH, BN, dtype=torch.float32, device=parents.device)
-    decay = torch.empty(LBH, dtype=torch.float32, device=parents.device)
-    commit_weights_kernel[(LBH,)](_address_table(gs), parents, accepted, w, decay, Nt, (Nt - 1).bit_length(), B * HV,
-                                  HV=HV, BN=BN, num_warps=4 if BN <= 32 else 8)
-    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), LBH)
-    commit_state_kernel[grid](
-        _address_table(states), _address_table(k_hats), _address_table(us), w, decay, accepted, Nt, B * HV,
-        H=H, HV=HV, K=K, V=V, BN=BN, BK=BK, BV=BV, num_warps=4,
+    if ancestors is None:
+        ancestors = tree_ancestors(parents)
+    tables, n_state, n_window = [], 0, 0
+    shape = dict(H=1, HV=1, K=16, V=16, BK=16, BV=16, BP=16, X_DTYPE=tl.float32, W_DTYPE=tl.float32, W=1, BW=1, BD=16)
+    if states is not None:
+        for ts, what in zip(states, ("state", "k_hat", "u", "g")):
+            _same(ts, what, torch.float32)
+        _, HV, V, K = states[0][0].shape
+        H = states[1][0].shape[2]
+        tile = {**COMMIT_TILE, **(tile or {})}
+        BV, BK = min(tile["BV"], triton.next_power_of_2(V)), max(16, min(tile["BK"], triton.next_power_of_2(K)))
+        n_state = len(states[0]) * B * HV * triton.cdiv(V, BV) * triton.cdiv(K, BK)
+        shape.update(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BP=tile["BP"])
+        tables += [_address_table(ts) for ts in states]
+    else:
+        tables += [_address_table(windows[1])] * 4          # never read: no state programs
+    if windows is not None:
+        xs, ws = windows
+        _same(xs, "x")
+        _same(ws, "window")
+        D, W = ws[0].shape[1:]
+        BD = min(256, triton.next_power_of_2(D))
+        n_window = len(ws) * B * triton.cdiv(D, BD)
+        shape.update(X_DTYPE=TL_DTYPES[xs[0].dtype], W_DTYPE=TL_DTYPES[ws[0].dtype], W=W,
+                     BW=triton.next_power_of_2(W), BD=BD)
+        tables += [_address_table(xs), _address_table(ws)]
+    else:
+        D = 0
+        tables += tables[:2]                                  # never read: no window programs
+    commit_kernel[(n_state + n_window,)](
+        *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
+        BN=max(16, triton.next_power_of_2(Nt)), **shape, num_warps=4,
     )
-
-
-def commit_windows_(xs: list[torch.Tensor], windows: list[torch.Tensor], parents: torch.Tensor,
-                    accepted: torch.Tensor) -> None:
-    """In-place ``commit_window_ref`` of every layer, one launch: per layer ``x [B,Nt,D]`` raw inputs of the
-    verified nodes and ``window [B,D,W]`` (newest last), all contiguous and of one shape across layers."""
-    _same(xs, "x")
-    _same(windows, "window")
-    B, Nt, D = xs[0].shape
-    W = windows[0].shape[-1]
-    BD = min(256, triton.next_power_of_2(D))
-    grid = (triton.cdiv(D, BD), len(windows) * B)
-    commit_window_kernel[grid](_address_table(xs), _address_table(windows), parents.contiguous(),
-                               accepted.contiguous(), Nt, D, B, X_DTYPE=TL_DTYPES[xs[0].dtype],
-                               W_DTYPE=TL_DTYPES[windows[0].dtype], W=W, BW=triton.next_power_of_2(W), BD=BD,
-                               num_warps=4)
-
-
-def commit_state_(state: torch.Tensor, k_hat: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
-                  parents: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-    """``commit_states_`` of one layer (factors made contiguous fp32). Returns ``state``."""
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("commit_state_ updates a contiguous fp32 state in place")
-    commit_states_([state], [k_hat.float().contiguous()], [u.float().contiguous()], [g.float().contiguous()],
-                   parents, accepted)
-    return state
-
-
-def commit_window_(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor,
-                   accepted: torch.Tensor) -> torch.Tensor:
-    """``commit_windows_`` of one layer. Returns ``window``."""
-    if not window.is_contiguous():
-        raise ValueError("commit_window_ updates a contiguous window in place")
-    commit_windows_([x.contiguous()], [window], parents, accepted)
-    return window

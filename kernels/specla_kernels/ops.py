@@ -37,13 +37,16 @@ def tree_gated_delta_rule(
     initial_state: torch.Tensor,
     scale: float | None = None,
     prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ancestors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify a token tree from the committed state: ``o``, ``k_hat``, ``u`` (see ``tree_gated_delta_rule_ref``).
+    ``ancestors``: ``tree_ancestors(parents)`` when the caller has it (a model's layers verify one tree).
 
     The Triton kernel verifies one chunk of up to 128 nodes and takes no ``prefix``; other calls run the reference.
     """
     if use_triton(q) and prefix is None and k.shape[1] <= MAX_NODES:
-        return _tree_delta.tree_gated_delta_rule(q, k, v, g, beta, parents, initial_state, scale, prefix)
+        return _tree_delta.tree_gated_delta_rule(q, k, v, g, beta, parents, initial_state, scale, prefix,
+                                                 ancestors=ancestors)
     return reference.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, initial_state, scale, prefix)
 
 
@@ -70,50 +73,46 @@ def tree_conv(
     return reference.tree_conv_ref(x, weight, bias, window, parents, activation, x_out)
 
 
-def commit_state_(
-    state: torch.Tensor,
-    k_hat: torch.Tensor,
-    u: torch.Tensor,
-    g: torch.Tensor,
-    parents: torch.Tensor,
-    accepted: torch.Tensor,
-) -> torch.Tensor:
-    """Apply the accepted path's factors to ``state`` in place (see ``commit_state_ref``); returns ``state``.
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``anc [B, N, N]`` (bool): node ``j`` is node ``i`` or one of its ancestors (see ``tree_ancestors`` in the
+    reference); one launch on the Triton path for up to 128 nodes."""
+    if use_triton(parents) and 1 <= parents.shape[1] <= MAX_NODES:
+        return _tree_delta.tree_ancestors(parents)
+    return reference.tree_ancestors(parents)
 
-    The Triton kernel handles up to 128 verified nodes (one tree chunk); more run the reference.
-    """
-    if use_triton(state) and k_hat.shape[1] <= MAX_NODES:
-        return _commit.commit_state_(state, k_hat, u, g, parents, accepted)
-    return state.copy_(reference.commit_state_ref(state, k_hat, u, g, parents, accepted))
+
+def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
+            states: tuple[list[torch.Tensor], ...] | None = None,
+            windows: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+            ancestors: torch.Tensor | None = None) -> None:
+    """Keep the root-to-``accepted`` path in place, every layer at once: ``states = (states, k_hats, us, gs)`` (see
+    ``commit_state_ref``) and ``windows = (xs, windows)`` (see ``commit_window_ref``); one launch on the Triton path
+    for up to 128 verified nodes, the reference layer by layer otherwise."""
+    some = states[0][0] if states is not None else windows[1][0]
+    if use_triton(some) and parents.shape[1] <= MAX_NODES:
+        contiguous = lambda ts: [t.contiguous() for t in ts]          # noqa: E731  (no-op for the cache's factors)
+        _commit.commit_(parents, accepted, ancestors=ancestors,
+                        states=None if states is None else (states[0], *map(contiguous, states[1:])),
+                        windows=None if windows is None else (contiguous(windows[0]), windows[1]))
+        return
+    for state, k_hat, u, g in zip(*states) if states is not None else ():
+        state.copy_(reference.commit_state_ref(state, k_hat, u, g, parents, accepted))
+    for x, window in zip(*windows) if windows is not None else ():
+        window.copy_(reference.commit_window_ref(x, window, parents, accepted))
+
+
+def commit_state_(state: torch.Tensor, k_hat: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
+                  parents: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """Apply the accepted path's factors to ``state`` in place (see ``commit_state_ref``); returns ``state``."""
+    commit_(parents, accepted, states=([state], [k_hat.float()], [u.float()], [g.float()]))
+    return state
 
 
 def commit_window_(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor,
                    accepted: torch.Tensor) -> torch.Tensor:
     """Move the conv window along the accepted path in place (see ``commit_window_ref``); returns ``window``."""
-    if use_triton(window):
-        return _commit.commit_window_(x, window, parents, accepted)
-    return window.copy_(reference.commit_window_ref(x, window, parents, accepted))
-
-
-def commit_states_(states: list[torch.Tensor], k_hats: list[torch.Tensor], us: list[torch.Tensor],
-                   gs: list[torch.Tensor], parents: torch.Tensor, accepted: torch.Tensor) -> None:
-    """``commit_state_`` of every layer of a model (one tree, one accepted node); two launches on the Triton path."""
-    if use_triton(states[0]) and k_hats[0].shape[1] <= MAX_NODES:
-        contiguous = lambda ts: [t.contiguous() for t in ts]          # noqa: E731  (no-op for the cache's factors)
-        _commit.commit_states_(states, contiguous(k_hats), contiguous(us), contiguous(gs), parents, accepted)
-        return
-    for args in zip(states, k_hats, us, gs):
-        commit_state_(*args, parents, accepted)
-
-
-def commit_windows_(xs: list[torch.Tensor], windows: list[torch.Tensor], parents: torch.Tensor,
-                    accepted: torch.Tensor) -> None:
-    """``commit_window_`` of every layer of a model; one launch on the Triton path."""
-    if use_triton(windows[0]):
-        _commit.commit_windows_([x.contiguous() for x in xs], windows, parents, accepted)
-        return
-    for x, window in zip(xs, windows):
-        commit_window_(x, window, parents, accepted)
+    commit_(parents, accepted, windows=([x], [window]))
+    return window
 
 
 def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,9 @@ which is one chunk of fla's WY/UT form with the causal mask replaced by the ance
 
 How the pieces are computed, and why:
 - Ancestor mask: ``M = I + P`` (``P`` the one-hot parent matrix) squared ``ceil(log2 N)`` times with exact fp16 dots
-  (entries are path counts <= N, clipped to 1 after each product): log-depth, tensor cores, no gathers. Every
-  program rebuilds it (a few small dots) rather than taking it as an input, so the op keeps the reference's
-  signature.
+  (entries are path counts <= N, clipped to 1 after each product): log-depth, tensor cores, no gathers. One small
+  kernel (``tree_ancestors``) builds it once per tree; every layer's verify and the commit read it (before session
+  7 each program of each layer rebuilt it).
 - k and q are l2-normalised *after* the products (``k̂_i·k̂_j = (k_i·k_j) r_i r_j``), so the K loop multiplies the raw
   inputs: for bf16 inputs these products are exact in bf16 dots with fp32 accumulation. The fp32 state is split into
   two bf16 halves (hi + lo, ~16 mantissa bits) for ``S₀k`` and ``S₀q``; fp32/fp16 inputs use tf32x3 dots instead.
@@ -46,11 +46,33 @@ def ancestor_mask(p_n, rows, n_sq, BN: tl.constexpr):
     return b_m > 0
 
 
-@triton.jit(do_not_specialize=["N", "n_sq"])   # one binary per padded size, whatever N is
+@triton.jit(do_not_specialize=["N", "n_sq"])
+def ancestors_kernel(parents, anc, N, n_sq, BN: tl.constexpr):
+    """One sequence's ``anc [N, N]`` (bool) from its parent pointers."""
+    i_b = tl.program_id(0)
+    rows = tl.arange(0, BN)
+    m_n = rows < N
+    p_n = tl.load(parents + i_b * N + rows, mask=m_n, other=-1).to(tl.int32)
+    tl.store(anc + (i_b * N + rows[:, None]).to(tl.int64) * N + rows[None, :], ancestor_mask(p_n, rows, n_sq, BN),
+             mask=m_n[:, None] & m_n[None, :])
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """Triton twin of ``tree_ancestors`` (reference): ``anc [B, N, N]`` bool, one program per sequence."""
+    B, N = parents.shape
+    if not 1 <= N <= 128:
+        raise ValueError(f"one tree chunk holds 1..128 nodes, got {N}")
+    anc = torch.empty(B, N, N, dtype=torch.bool, device=parents.device)
+    BN = max(16, triton.next_power_of_2(N))
+    ancestors_kernel[(B,)](parents.contiguous(), anc, N, (N - 1).bit_length(), BN=BN, num_warps=4 if BN <= 32 else 8)
+    return anc
+
+
+@triton.jit(do_not_specialize=["N"])   # one binary per padded size, whatever N is
 def tree_gdn_fwd_kernel(
-    q, k, v, g, beta, parents, h0,         # inputs
+    q, k, v, g, beta, ancestors, h0,       # inputs (ancestors: [B, N, N] bool, from tree_ancestors)
     o, k_hat, u,                           # outputs
-    scale, N, n_sq,
+    scale, N,
     stride_qt, stride_kt, stride_vt,       # elements between consecutive tokens of q, k, v (views of a wider tensor)
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -94,7 +116,8 @@ def tree_gdn_fwd_kernel(
         m_v = o_v < V
         p_q = q + tok[:, None] * stride_qt + i_h * K
         # the small operands first, so that their latency hides behind the K loop
-        p_n = tl.load(parents + i_b * N + rows, mask=m_n, other=-1).to(tl.int32)
+        anc = tl.load(ancestors + (i_b * N + rows[:, None]).to(tl.int64) * N + rows[None, :],
+                      mask=m_n[:, None] & m_n[None, :], other=0) != 0
         b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
         b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
         b_vv = tl.load(v + tok[:, None] * stride_vt + i_hv * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
@@ -136,8 +159,7 @@ def tree_gdn_fwd_kernel(
         rk = 1. / tl.sqrt(nk + 1e-6)
         rq = scale / tl.sqrt(nq + 1e-6)
 
-        # ---- topology: ancestor mask, path log-decay Γ, pairwise decay e^{Γ_i - Γ_j} on ancestor pairs
-        anc = ancestor_mask(p_n, rows, n_sq, BN)
+        # ---- topology: path log-decay Γ, pairwise decay e^{Γ_i - Γ_j} on ancestor pairs
         gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
         eg = tl.exp(gam)
         # Γ_i - Γ_j <= 0 on ancestor pairs; clamp before exp so that non-ancestor pairs cannot overflow
@@ -253,10 +275,12 @@ def tree_gated_delta_rule(
     scale: float | None = None,
     prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
+    ancestors: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``tree_gated_delta_rule_ref``: returns ``o [B,N,HV,V]`` (dtype of v), ``k_hat [B,N,H,K]`` and
-    ``u [B,N,HV,V]`` (fp32), writing no per-node state. ``config`` overrides entries of ``tree_config`` (tuning)."""
+    ``u [B,N,HV,V]`` (fp32), writing no per-node state. ``ancestors``: ``tree_ancestors(parents)`` when the caller
+    has it (a model's layers share one tree); ``config`` overrides entries of ``tree_config`` (tuning)."""
     if prefix is not None:
         raise ValueError("tree_gated_delta_rule (Triton) does not take `prefix`; use tree_gated_delta_rule_ref")
     B, N, H, K = k.shape
@@ -270,15 +294,19 @@ def tree_gated_delta_rule(
     # q, k, v may be column slices of one conv output [B, N, D]: read in place (no copies) when each token's heads
     # are contiguous and tokens evenly spaced
     q, k, v = (_token_rows(t) for t in (q, k, v))
+    if ancestors is None:
+        ancestors = tree_ancestors(parents)
+    elif ancestors.shape != (B, N, N) or ancestors.dtype != torch.bool:
+        raise ValueError(f"ancestors must be a bool [{B}, {N}, {N}] tensor (tree_ancestors of the parents)")
     o = v.new_empty(B, N, HV, V)
     k_hat = k.new_empty(B, N, H, K, dtype=torch.float32)
     u = v.new_empty(B, N, HV, V, dtype=torch.float32)
     # one column of programs per V slice, plus one that writes k̂
     grid = (triton.cdiv(V, cfg['BV']) + 1, B * HV)
     tree_gdn_fwd_kernel[grid](
-        q, k, v, g.contiguous(), beta.contiguous(), parents.contiguous(), initial_state.contiguous(),
+        q, k, v, g.contiguous(), beta.contiguous(), ancestors.contiguous(), initial_state.contiguous(),
         o, k_hat, u,
-        scale, N, (N - 1).bit_length(), _token_stride(q), _token_stride(k), _token_stride(v),
+        scale, N, _token_stride(q), _token_stride(k), _token_stride(v),
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
         BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
         OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], num_warps=cfg['num_warps'],
