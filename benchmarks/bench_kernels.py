@@ -43,8 +43,7 @@ SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=
          64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(num_warps=2)],
          128: [dict(BC=32), dict(num_warps=4), dict(BV=16), dict(BV=64)]}
 # state tiles [BV, BK] of one commit program
-COMMIT_SWEEP = [dict(BV=bv, BK=bk, BP=bp) for bv, bk, bp in ((64, 64, 16), (32, 64, 16), (64, 128, 16), (128, 64, 16),
-                                                             (64, 256, 16), (64, 64, 32))]
+COMMIT_SWEEP = [dict(BV=bv, BK=bk) for bv, bk in ((64, 64), (32, 64), (64, 128), (128, 64), (64, 256), (32, 256))]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 

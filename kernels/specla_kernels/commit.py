@@ -9,7 +9,7 @@ one rank-|P| update from the compact factors; the state is read once and written
 tree's ancestor mask (``tree_ancestors``, built once per tree by the verify pass); since parents precede children,
 ``Γ_m - Γ_j`` is the sum of the path's gates after ``j``: a cumulative sum, no mask to build. Each program owns one
 [BV, BK] tile of one head's state: it requests the tile first (it depends on nothing), then reads the path's gates
-and factors only (BP path nodes per dot), one store.
+and factors only, one dot, one store.
 The window part is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
 inputs of ``[old window, x along P]``. ``accepted[b] == -1`` leaves batch row ``b`` untouched in both.
 
@@ -44,7 +44,7 @@ def _path(ancestors, accepted, i_b, Nt, BN: tl.constexpr):
 @triton.jit
 def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BK - 1) // BK
     i_lbh, i_vk = pid // (NV * NK), pid % (NV * NK)
@@ -63,23 +63,16 @@ def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, a
         k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
         u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
         g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
-        rows = tl.arange(0, BN)
-        b_g = tl.load(g + (i_b * Nt + rows).to(tl.int64) * HV + i_hv, mask=on_path, other=0.)
+        tok = (i_b * Nt + tl.arange(0, BN)).to(tl.int64)
+        # only path rows are read
+        b_g = tl.load(g + tok * HV + i_hv, mask=on_path, other=0.)
+        b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=on_path[:, None] & (o_v < V)[None, :],
+                      other=0.)
+        b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :],
+                       mask=on_path[:, None] & (o_k < K)[None, :], other=0.)
         gam_m = tl.sum(b_g, 0)
         b_w = tl.where(on_path, tl.exp(gam_m - tl.cumsum(b_g, 0)), 0.)      # e^{Γ_m - Γ_j}: the gates after j
-        b_s = b_s * tl.exp(gam_m)
-        # the path's nodes BP at a time, in path order: the update costs what the path holds, not what the tree does
-        pos_of = tl.cumsum(on_path.to(tl.int32), 0) - 1
-        for first in range(0, tl.sum(on_path.to(tl.int32), 0), BP):
-            hit = on_path[None, :] & (pos_of[None, :] == first + tl.arange(0, BP)[:, None])       # [BP, BN]
-            node = tl.max(tl.where(hit, rows[None, :], -1), 1)
-            w_p = tl.sum(tl.where(hit, b_w[None, :], 0.), 1)
-            tok = (i_b * Nt + node).to(tl.int64)
-            b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
-                          mask=(node >= 0)[:, None] & (o_v < V)[None, :], other=0.)
-            b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :],
-                           mask=(node >= 0)[:, None] & (o_k < K)[None, :], other=0.)
-            b_s += tl.dot(tl.trans(b_u * w_p[:, None]), b_kh, input_precision="tf32x3")
+        b_s = b_s * tl.exp(gam_m) + tl.dot(tl.trans(b_u * b_w[:, None]), b_kh, input_precision="tf32x3")
         tl.store(p_sk, b_s, mask=m_sk)
 
 
@@ -118,12 +111,12 @@ def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D
 def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, ancestors, accepted,
                   Nt, BHV, B, D, n_state,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr,
                   BW: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_state:
         _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
-                           H, HV, K, V, BN, BK, BV, BP)
+                           H, HV, K, V, BN, BK, BV)
     else:
         _commit_window_block(pid - n_state, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
                              X_DTYPE, W_DTYPE, W, BW, BN, BD)
@@ -156,9 +149,10 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
         raise ValueError(f"{what} must be {dtype}, got {t0.dtype}")
 
 
-# a program's [BV, BK] state tile and how many path nodes one update dot takes (benchmarks/bench_kernels.py sweeps
-# them; [64, 64] was the fastest tile in session 7's sweep at 1, 16 and 64 nodes)
-COMMIT_TILE = dict(BV=64, BK=64, BP=16)
+# a program's [BV, BK] state tile (benchmarks/bench_kernels.py sweeps it; [64, 64] was the fastest in session 7's
+# sweep at 1, 16 and 64 nodes: 48 / 54 / 102 us for 21 layers, against 52 / 56 / 152 at [32, 64]). Visiting only the
+# path's nodes, 16 per dot in a loop, measured 94-406 us at every tile (session 7): the whole-tree masked dot stays.
+COMMIT_TILE = dict(BV=64, BK=64)
 
 
 def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
@@ -177,7 +171,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
     if ancestors is None:
         ancestors = tree_ancestors(parents)
     tables, n_state, n_window = [], 0, 0
-    shape = dict(H=1, HV=1, K=16, V=16, BK=16, BV=16, BP=16, X_DTYPE=tl.float32, W_DTYPE=tl.float32, W=1, BW=1, BD=16)
+    shape = dict(H=1, HV=1, K=16, V=16, BK=16, BV=16, X_DTYPE=tl.float32, W_DTYPE=tl.float32, W=1, BW=1, BD=16)
     if states is not None:
         for ts, what in zip(states, ("state", "k_hat", "u", "g")):
             _same(ts, what, torch.float32)
@@ -186,7 +180,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         tile = {**COMMIT_TILE, **(tile or {})}
         BV, BK = min(tile["BV"], triton.next_power_of_2(V)), max(16, min(tile["BK"], triton.next_power_of_2(K)))
         n_state = len(states[0]) * B * HV * triton.cdiv(V, BV) * triton.cdiv(K, BK)
-        shape.update(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BP=tile["BP"])
+        shape.update(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
         tables += [_address_table(ts) for ts in states]
     else:
         tables += [_address_table(windows[1])] * 4          # never read: no state programs
