@@ -140,6 +140,24 @@ def test_tree_delta_matches_reference(device, kind, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["chain", "deep"])
+def test_tree_delta_is_stable_on_repeated_tokens(device, kind):
+    """The hard case for the solve: one key repeated along long paths, writes at full strength, no decay, so the
+    strictly lower L is ~all ones on ancestors (its powers grow like binomial coefficients: a Neumann product of them
+    loses fp32 precision; substitution and block doubling must not)."""
+    gen = seeded(kind, 'repeated')
+    B, H, HV, K, V = SHAPES[device][0]
+    N = SIZES[device][kind]
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, torch.float32, device, gen)
+    k = k[:, :1].expand_as(k).contiguous()
+    g, beta = torch.full_like(g, -1e-4), torch.full_like(beta, 0.999)
+    parents = random_parents(kind, B, N, gen).to(device)
+    want = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
+    for got, w, name in zip(tree_gated_delta_rule(q, k, v, g, beta, parents, state), want, ("o", "k_hat", "u")):
+        check(got, w, 1e-3, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["bushy", "single"])
 def test_tree_delta_reads_column_slices_in_place(device, kind):
     """q, k, v as column slices of one wider [B, N, D] tensor (the runner's conv output): same results as contiguous

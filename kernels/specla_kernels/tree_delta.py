@@ -68,11 +68,11 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-@triton.jit(do_not_specialize=["N"])   # one binary per padded size, whatever N is
+@triton.jit(do_not_specialize=["N", "n_lvl"])   # one binary per padded size, whatever N is
 def tree_gdn_fwd_kernel(
     q, k, v, g, beta, ancestors, h0,       # inputs (ancestors: [B, N, N] bool, from tree_ancestors)
     o, k_hat, u,                           # outputs
-    scale, N,
+    scale, N, n_lvl,                       # n_lvl = ceil(log2(min(N, BC))): doubling levels of the diagonal solve
     stride_qt, stride_kt, stride_vt,       # elements between consecutive tokens of q, k, v (views of a wider tensor)
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -85,6 +85,7 @@ def tree_gdn_fwd_kernel(
     BF16_DOT: tl.constexpr,                # inputs are bf16: exact bf16 products, state split hi/lo
     OUT_FP32: tl.constexpr,                # o is fp32: its last product also in tf32x3
     LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
+    DOUBLING: tl.constexpr,                # diagonal blocks inverted by block doubling, else row substitution
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -181,11 +182,19 @@ def tree_gdn_fwd_kernel(
         i3 = tl.arange(0, BC)[None, :, None]
         j3 = tl.arange(0, BC)[None, None, :]
         x3 = tl.where(i3 == j3, 1., 0.) + tl.zeros([NC, BC, BC], dtype=tl.float32)
-        for s in range(1, tl.minimum(N, BC)):
-            # row s of each block: x_s = e_s - Σ_{j<s} L_sj x_j (rows j < s are final; L_D is strictly lower)
-            l_s = tl.sum(tl.where(i3 == s, l_diag, 0.), 1)                               # [NC, BC]
-            x_s = tl.sum(l_s[:, :, None] * x3, 1)                                        # [NC, BC]
-            x3 = x3 - tl.where(i3 == s, x_s[:, None, :], 0.)
+        if DOUBLING:
+            # X inverts I + L_D restricted to diagonal blocks of size 2^lvl; adding the next level's off-diagonal
+            # half E (rows in the lower, columns in the upper 2^lvl of each 2^(lvl+1) block) gives X - X E X exactly
+            # (E X E = 0): batched dots, no cross-warp reduction per row
+            for lvl in range(n_lvl):
+                e3 = tl.where(((i3 >> (lvl + 1)) == (j3 >> (lvl + 1))) & ((i3 >> lvl) != (j3 >> lvl)), l_diag, 0.)
+                x3 = x3 - tl.dot(tl.dot(x3, e3, input_precision="tf32x3"), x3, input_precision="tf32x3")
+        else:
+            for s in range(1, tl.minimum(N, BC)):
+                # row s of each block: x_s = e_s - Σ_{j<s} L_sj x_j (rows j < s are final; L_D is strictly lower)
+                l_s = tl.sum(tl.where(i3 == s, l_diag, 0.), 1)                           # [NC, BC]
+                x_s = tl.sum(l_s[:, :, None] * x3, 1)                                    # [NC, BC]
+                x3 = x3 - tl.where(i3 == s, x_s[:, None, :], 0.)
 
         if NC == 1:
             b_u = tl.dot(tl.reshape(x3, [BN, BN]), b_r, input_precision="tf32x3")
@@ -247,7 +256,7 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
     return dict(BN=BN, BC=BC, BK=64, BV=min(BV, max(16, triton.next_power_of_2(v_dim))), num_warps=warps,
-                LATE_QK=BN >= 64)
+                LATE_QK=BN >= 64, DOUBLING=True)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -306,9 +315,10 @@ def tree_gated_delta_rule(
     tree_gdn_fwd_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(), ancestors.contiguous(), initial_state.contiguous(),
         o, k_hat, u,
-        scale, N, _token_stride(q), _token_stride(k), _token_stride(v),
+        scale, N, (min(N, cfg['BC']) - 1).bit_length(), _token_stride(q), _token_stride(k), _token_stride(v),
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
         BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
-        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], num_warps=cfg['num_warps'],
+        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], DOUBLING=cfg['DOUBLING'],
+        num_warps=cfg['num_warps'],
     )
     return o, k_hat, u
