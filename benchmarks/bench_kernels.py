@@ -40,7 +40,7 @@ NODES = (1, 4, 16, 32, 64, 128)
 # launch shapes tried beside tree_config's default, per padded node count BN
 SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=128)],
          32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64)],
-         64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(num_warps=2)],
+         64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(num_warps=2), dict(BV=16, num_warps=8)],
          128: [dict(BC=32), dict(num_warps=4), dict(BV=16), dict(BV=64)]}
 # state tiles [BV, BK] of one commit program
 COMMIT_SWEEP = [dict(BV=bv, BK=bk) for bv, bk in ((64, 64), (32, 64), (64, 128), (128, 64), (64, 256), (32, 256))]

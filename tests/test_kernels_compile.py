@@ -5,6 +5,8 @@ global read inside a kernel failed only on the GPU, costing a device call). Here
 1.3B layer's shapes with its launch intercepted: the arguments it would launch with are turned into a signature and
 compiled ahead of time to a cubin for ``GPUTarget("cuda", 90, 32)`` with Triton's bundled ptxas. Nothing runs.
 """
+import contextlib
+
 import pytest
 import torch
 import triton
@@ -20,21 +22,31 @@ TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"
             torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Record ``(kernel, arguments, launch options)`` instead of launching."""
-    recorded = []
+@contextlib.contextmanager
+def recording_launches():
+    """Record ``(kernel, arguments, launch options)`` of every Triton launch inside the block instead of launching."""
+    recorded, run = [], JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
         bound = dict(zip(self.arg_names, args)) | kwargs
         recorded.append((self, bound, options))
 
-    monkeypatch.setattr(JITFunction, "run", record)
-    return recorded
+    JITFunction.run = record
+    try:
+        yield recorded
+    finally:
+        JITFunction.run = run
 
 
-def compile_for_h200(fn: JITFunction, bound: dict, options: dict) -> None:
+@pytest.fixture
+def launches():
+    with recording_launches() as recorded:
+        yield recorded
+
+
+def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
+    """The recorded launch compiled ahead of time for sm_90 (checked: a cubin, and a PDL launch waits)."""
     signature, constexprs = {}, {}
     for param in fn.params:
         value = bound[param.name]
@@ -53,6 +65,7 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict) -> None:
     assert compiled.asm.get("cubin"), fn.__name__
     if options.get("launch_pdl"):   # may start before the previous kernel ends: must wait for it (specla_kernels.pdl)
         assert "griddepcontrol.wait" in compiled.asm["ptx"], fn.__name__
+    return compiled
 
 
 def _call_every_wrapper():

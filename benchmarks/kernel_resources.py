@@ -1,0 +1,93 @@
+"""CPU: registers and spills of every SpecLA kernel as compiled for the H200 (sm_90), and of the tree verify at other
+launch shapes, without a GPU. Each kernel's launch at the 1.3B shapes is intercepted, compiled ahead of time
+(``tests/test_kernels_compile.py``'s harness) and its PTX assembled by Triton's bundled ``ptxas -v``.
+
+    python benchmarks/kernel_resources.py [--tree-configs]
+
+A kernel that spills keeps part of its working set in local memory (L1/L2 round trips on its critical path). Session 7
+found the tree verify at 255 registers with 1.3-5.5 KB of spill stores per thread from 32 nodes up: a lead for the
+launch-shape sweep of ``benchmarks/bench_kernels.py``, which decides on the GPU. (The GPU's Triton may allocate
+differently from this machine's.)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_kernels_compile import _call_every_wrapper, compile_for_h200, recording_launches  # noqa: E402
+
+from specla_kernels import pdl, tree_delta  # noqa: E402
+
+# launch shapes of the tree verify to report beside tree_config's, per padded node count
+TREE_CONFIGS = {16: [dict(num_warps=4)],
+                32: [dict(num_warps=8), dict(BV=16, num_warps=2)],
+                64: [dict(num_warps=8), dict(BV=16), dict(BV=16, num_warps=8), dict(BV=64, num_warps=8)],
+                128: [dict(BV=16), dict(BV=16, num_warps=16)]}
+
+
+def ptxas_resources(ptx: str) -> dict[str, int]:
+    """Registers, spill stores / loads and stack bytes per thread from ``ptxas -v`` on ``ptx`` for sm_90a."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import ptx_get_version
+    tool = knobs.nvidia.ptxas
+    # the PTX may name a newer ISA than the bundled ptxas reads; Triton rewrites it the same way when it assembles
+    isa = ptx_get_version(tool.version)
+    ptx = re.sub(r"^\.version \d+\.\d+", f".version {isa // 10}.{isa % 10}", ptx, count=1, flags=re.M)
+    ptxas = tool.path
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        err = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    finally:
+        os.unlink(f.name)
+    numbers = dict(registers=r"Used (\d+) registers", spill_stores=r"(\d+) bytes spill stores",
+                   spill_loads=r"(\d+) bytes spill loads", stack=r"(\d+) bytes stack frame")
+    found = {k: re.search(p, err) for k, p in numbers.items()}
+    if not all(found.values()):
+        raise RuntimeError(f"unexpected ptxas output: {err[-500:]}")
+    return {k: int(m.group(1)) for k, m in found.items()}
+
+
+def tree_launches() -> None:
+    """The tree verify at the 1.3B layer (bf16) for each padded size, at tree_config's shape and the others."""
+    bf, H, K, V = torch.bfloat16, 6, 256, 512
+    state = torch.zeros(1, H, V, K)
+    for n, configs in TREE_CONFIGS.items():
+        for over in [{}] + configs:
+            z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype)       # noqa: E731
+            tree_delta.tree_gated_delta_rule(z(1, n, H, K), z(1, n, H, K), z(1, n, H, V), z(1, n, H, dtype=torch.float32),
+                                             z(1, n, H, dtype=torch.float32), torch.arange(-1, n - 1).view(1, n),
+                                             state, ancestors=torch.zeros(1, n, n, dtype=torch.bool), config=over)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree-configs", action="store_true", help="only the tree verify, at several launch shapes")
+    args = ap.parse_args()
+    pdl.enabled = lambda device: True                # launch as on the H200
+    with recording_launches() as launches:
+        tree_launches() if args.tree_configs else _call_every_wrapper()
+    print("| kernel | shape | warps | registers | spill stores B | spill loads B | stack B |\n|---|---|---|---|---|---|---|")
+    seen = set()
+    for fn, bound, options in launches:
+        shape = {k: bound[k] for k in ("BN", "BV", "BK", "BC", "KR", "KC", "PRO", "EPI") if k in bound}
+        key = (fn.__name__, tuple(shape.items()), options.get("num_warps"))
+        if key in seen:
+            continue
+        seen.add(key)
+        r = ptxas_resources(compile_for_h200(fn, bound, options).asm["ptx"])
+        print(f"| {fn.__name__} | {shape} | {options.get('num_warps', 4)} | {r['registers']} | {r['spill_stores']} "
+              f"| {r['spill_loads']} | {r['stack']} |")
+
+
+if __name__ == "__main__":
+    main()
