@@ -212,7 +212,8 @@ def main() -> None:
         row["commit_sweep"] = []
         for t in COMMIT_SWEEP:
             s_t = state0.clone()                  # each tile shape checked on layer 0, then timed on all layers
-            commit_(parents, accepted, ancestors=anc, tile=t, states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
+            commit_(parents, accepted, ancestors=anc, tile=t,
+                    states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
             row["commit_sweep"].append(dict(tile=t, err=rel(s_t, s_r), ms_21=bench_graph(commit(layers, t))))
         if best:
             row["tree_best_1_ms"] = bench_graph(tree(layers[:1], best["config"]))

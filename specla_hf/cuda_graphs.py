@@ -279,8 +279,9 @@ def _slice_key(s: slice | None):
 
 
 def _snapshot(cache) -> tuple:
-    return (cache.seq_length, cache.parents, cache.ancestors, [(l.state.clone(), None if l.window is None else l.window.clone(),
-                                              l.k_hat, l.u, l.g, l.x) for l in cache.layers])
+    return (cache.seq_length, cache.parents, cache.ancestors,
+            [(l.state.clone(), None if l.window is None else l.window.clone(), l.k_hat, l.u, l.g, l.x)
+             for l in cache.layers])
 
 
 def _restore(cache, saved, prefix) -> None:

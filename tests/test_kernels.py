@@ -133,7 +133,8 @@ def test_tree_delta_matches_reference(device, kind, dtype):
     check(u, u_ref, TOL[dtype], "u")
     assert torch.equal(state, state_before), "verification must not touch the committed state"
     # the mask given (as the runner gives every layer the cache's) computes the same
-    given = tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=ref.tree_ancestors(parents.cpu()).to(device))
+    anc = ref.tree_ancestors(parents.cpu()).to(device)
+    given = tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=anc)
     assert all(torch.equal(a, b) for a, b in zip(given, (o, k_hat, u)))
     with pytest.raises(ValueError, match="ancestors"):
         tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=torch.ones(B, N, N + 1, dtype=torch.bool))
