@@ -38,10 +38,12 @@ LAYERS, H, HV, K, V, B = 21, 6, 6, 256, 512, 1
 CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share one depthwise conv of width 4
 NODES = (1, 4, 16, 32, 64, 128)
 # launch shapes tried beside tree_config's default, per padded node count BN
-SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=128)],
-         32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64)],
-         64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(num_warps=2), dict(BV=16, num_warps=8)],
-         128: [dict(BC=32), dict(num_warps=4), dict(BV=16), dict(BV=64)]}
+# (BK = 32 and 8 warps: the shapes with few or no register spills, benchmarks/kernel_resources.py, session 7)
+SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=128), dict(BK=32)],
+         32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64), dict(BK=32), dict(BK=32, num_warps=8)],
+         64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(num_warps=2), dict(BV=16, num_warps=8), dict(BK=32),
+              dict(BK=32, num_warps=8)],
+         128: [dict(BC=32), dict(num_warps=4), dict(BV=16), dict(BV=64), dict(BK=16, BV=16)]}
 # state tiles [BV, BK] of one commit program
 COMMIT_SWEEP = [dict(BV=bv, BK=bk) for bv, bk in ((64, 64), (32, 64), (64, 128), (128, 64), (64, 256), (32, 256))]
 DTYPE = torch.bfloat16

@@ -27,10 +27,11 @@ from test_kernels_compile import _call_every_wrapper, compile_for_h200, recordin
 from specla_kernels import pdl, tree_delta  # noqa: E402
 
 # launch shapes of the tree verify to report beside tree_config's, per padded node count
-TREE_CONFIGS = {16: [dict(num_warps=4)],
-                32: [dict(num_warps=8), dict(BV=16, num_warps=2)],
-                64: [dict(num_warps=8), dict(BV=16), dict(BV=16, num_warps=8), dict(BV=64, num_warps=8)],
-                128: [dict(BV=16), dict(BV=16, num_warps=16)]}
+TREE_CONFIGS = {16: [dict(num_warps=4), dict(BK=32)],
+                32: [dict(num_warps=8), dict(BV=16, num_warps=2), dict(BK=32), dict(BK=32, num_warps=8)],
+                64: [dict(num_warps=8), dict(BV=16), dict(BV=16, num_warps=8), dict(BV=64, num_warps=8), dict(BK=32),
+                     dict(BK=32, num_warps=8)],
+                128: [dict(BV=16), dict(BV=16, num_warps=16), dict(BK=32), dict(BK=16, BV=16)]}
 
 
 def ptxas_resources(ptx: str) -> dict[str, int]:
