@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_kernels_compile import _call_every_wrapper, compile_for_h200, recording_launches  # noqa: E402
+from test_kernels_compile import call_every_wrapper, compile_for_h200, recording_launches  # noqa: E402
 
 from specla_kernels import pdl, tree_delta  # noqa: E402
 
@@ -76,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     pdl.enabled = lambda device: True                # launch as on the H200
     with recording_launches() as launches:
-        tree_launches() if args.tree_configs else _call_every_wrapper()
+        tree_launches() if args.tree_configs else call_every_wrapper()
     print("| kernel | shape | warps | registers | spill stores B | spill loads B | stack B |")
     print("|---|---|---|---|---|---|---|")
     seen = set()

@@ -147,12 +147,12 @@ def ar_tokens(runner: GDNRunner, token: torch.Tensor, cache, n: int) -> None:
 
 
 def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: torch.Generator,
-               settings: dict[str, Callable[[], None]], step_only: bool, rounds: int = 4) -> dict:
+               settings: dict[str, Callable[[], None]], rounds: int = 4) -> dict:
     """Launch settings side by side (``settings``: name -> a function that applies it; each module global they
     change is read when a kernel is launched or captured): runners built and captured under each setting (own graphs
     and caches), then timed on the same inputs in rounds whose order rotates (medians), so that drift and order fall
-    on all: the target's step, 32 greedy steps back to back (``ar_loop32``) and, unless ``step_only``, verify passes
-    of 16 and 32 nodes and the drafter's pass over a 9-node tree. Run before anything starts the profiler (its
+    on all: the target's step, 32 greedy steps back to back (``ar_loop32``), verify passes of 16 and 32 nodes and
+    the drafter's pass over a 9-node tree. Run before anything starts the profiler (its
     callbacks stay and slow later launches)."""
     trees = {n: (torch.randint(0, big.config.vocab_size, (1, n), generator=gen), random_tree(n, gen)) for n in (16, 32)}
     H, dev = drafter.config.hidden_size, big.device
@@ -165,20 +165,19 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
         runner = GDNRunner(big)
         cache = runner.new_cache(1)
         runner.forward(prompt, cache, logits_positions=slice(0, 0))
+        drunner = _BlockRunner(drafter, big)
+        dcache = drunner.new_cache(1)
+
+        def verify(ids, parents, runner=runner, cache=cache):
+            runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
+            cache.discard()
+
+        def draft_tree9(drunner=drunner, dcache=dcache):
+            drunner.forward((feats9, toks9), dcache, parents=tree9)
+            dcache.discard()
         calls = {"ar_step": lambda runner=runner, cache=cache: runner.forward(token, cache),
-                 "ar_loop32": lambda runner=runner, cache=cache: ar_tokens(runner, token, cache, 32)}
-        if not step_only:
-            drunner = _BlockRunner(drafter, big)
-            dcache = drunner.new_cache(1)
-
-            def verify(ids, parents, runner=runner, cache=cache):
-                runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
-                cache.discard()
-
-            def draft_tree9(drunner=drunner, dcache=dcache):
-                drunner.forward((feats9, toks9), dcache, parents=tree9)
-                dcache.discard()
-            calls |= {**{f"verify_{n}": lambda t=t: verify(*t) for n, t in trees.items()}, "draft_tree9": draft_tree9}
+                 "ar_loop32": lambda runner=runner, cache=cache: ar_tokens(runner, token, cache, 32),
+                 **{f"verify_{n}": lambda t=t: verify(*t) for n, t in trees.items()}, "draft_tree9": draft_tree9}
         for call in calls.values():
             call()                                          # captured now, under this setting
         setups[name] = calls
@@ -204,8 +203,8 @@ def _setting(**values):
 
 
 DEFAULTS = _setting()
-AB = {  # name -> (settings, whether they change only the target's one-token step)
-    "pdl": ({"on": _setting(pdl=True), "off": _setting(pdl=False)}, False),
+AB = {  # name -> its settings
+    "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False)},
 }
 
 
@@ -240,8 +239,7 @@ def main():
                                                                  logits_positions=slice(0, 0)), reps=10)
     del eager
     for what in filter(None, args.ab.split(",")):
-        settings, step_only = AB[what]
-        ab = res[f"{what}_ab"] = setting_ab(big, drafter, prompt, token, gen, settings, step_only)
+        ab = res[f"{what}_ab"] = setting_ab(big, drafter, prompt, token, gen, AB[what])
         print(f"| {what} | " + " | ".join(next(iter(ab.values()))) + " |")
         for k, v in ab.items():
             print(f"| {k} | " + " | ".join(f"{t:.3f}" for t in v.values()) + " |")

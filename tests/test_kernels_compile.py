@@ -68,7 +68,7 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
     return compiled
 
 
-def _call_every_wrapper():
+def call_every_wrapper():
     """Each SpecLA kernel wrapper once per distinct compile (1.3B layer shapes, bf16 model, fp32 state)."""
     from specla_kernels import commit, draft_expand, gate, gated_norm, gemv, topk, tree_conv, tree_delta
     bf, f32 = torch.bfloat16, torch.float32
@@ -104,7 +104,7 @@ def _call_every_wrapper():
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     from specla_kernels import pdl
     monkeypatch.setattr(pdl, "enabled", lambda device: True)     # launch as on the H200 (no GPU here)
-    _call_every_wrapper()
+    call_every_wrapper()
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"tree_gdn_fwd_kernel", "ancestors_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",
             "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel", "row_topk_merge_kernel",
