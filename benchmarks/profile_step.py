@@ -37,7 +37,7 @@ from specla_hf.cuda_graphs import copy_in
 from specla_hf.eagle import _BlockRunner
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
-from specla_kernels import pdl
+from specla_kernels import gemv, pdl
 
 
 def cuda_ms(fn, reps: int = 50, warmup: int = 5) -> float:
@@ -194,17 +194,22 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 
 def _setting(**values):
-    """A function that sets ``pdl.USE_PDL`` (the keys given) and the others to their defaults. (Session 7 also
+    """A function that sets ``pdl.USE_PDL`` and ``gemv.USE_SPLIT_K`` (the keys given) and the others to their
+    defaults. (Session 7 also
     compared here an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325
     ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; both were removed.)"""
     def apply():
         pdl.USE_PDL = values.get("pdl", True)
+        gemv.USE_SPLIT_K = values.get("split", True)
     return apply
 
 
 DEFAULTS = _setting()
 AB = {  # name -> its settings
     "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False)},
+    # the narrow GEMVs; the first setting again, built last, shows what the build order alone does
+    "split": {"split-K": _setting(split=True), "row-owner": _setting(split=False),
+              "split-K again": _setting(split=True)},
 }
 
 

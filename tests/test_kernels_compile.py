@@ -99,6 +99,8 @@ def call_every_wrapper():
     gemv.gemv(z(hid, H * V), z(H * V), norm=(z(V), 1e-5), gate=z(H * V))
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid))
     gemv.gemv(z(hid, 5632), z(2 * 5632), swiglu=True, residual=z(hid))
+    gemv.gemv(z(hid, H * V), z(H * V), norm=(z(V), 1e-5), gate=z(H * V), split=512)   # split-K (narrow products)
+    gemv.gemv(z(hid, 5632), z(2 * 5632), swiglu=True, residual=z(hid), split=512)
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
@@ -108,8 +110,8 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"tree_gdn_fwd_kernel", "ancestors_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",
             "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel", "row_topk_merge_kernel",
-            "expand_frontier_kernel", "gemv_kernel"} <= names, names
-    assert all(options.get("launch_pdl") for fn, _, options in launches if fn.__name__ == "gemv_kernel")
+            "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel"} <= names, names
+    assert all(options.get("launch_pdl") for fn, _, options in launches if fn.__name__.startswith("gemv"))
     seen = set()
     for fn, bound, options in launches:
         key = (fn.__name__, repr(sorted((k, v if not isinstance(v, torch.Tensor) else v.dtype)

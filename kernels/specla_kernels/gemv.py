@@ -47,6 +47,37 @@ def _weight_block(w, blk, N, stride_w, cols, m_cols, BN: tl.constexpr):
 
 
 @triton.jit
+def _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, write_add, PRO: tl.constexpr, KC: tl.constexpr):
+    """The product's right-hand side at ``cols`` (a ``[KR, KC]`` tile; a gated norm's heads are its rows), rounded as
+    the unfused op's output. ``NORM``/``NORM_ADD`` need every column of ``x`` (their statistic spans the input)."""
+    xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
+    if PRO == NORM_ADD:
+        xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
+        if write_add:                                # the residual stream after the add, for the next residual
+            tl.store(add_out + cols, xv.to(add_out.dtype.element_ty), mask=m_cols)
+    if PRO == NORM or PRO == NORM_ADD:
+        rstd = 1 / tl.sqrt(tl.sum(tl.sum(xv * xv, 1), 0) / K + eps)
+        rhs = xv * rstd * tl.load(norm_w + cols, mask=m_cols, other=0.).to(tl.float32)
+    elif PRO == GATED_NORM:
+        h_rstd = 1 / tl.sqrt(tl.sum(xv * xv, 1) / KC + eps)                  # one statistic per head (row)
+        gv = tl.load(gate + cols, mask=m_cols, other=0.).to(tl.float32)
+        rhs = xv * h_rstd[:, None] * tl.load(norm_w + tl.arange(0, KC)).to(tl.float32)[None, :]
+        rhs = rhs * gv * tl.sigmoid(gv)
+    elif PRO == SWIGLU:
+        up = tl.load(x + K + cols, mask=m_cols, other=0.).to(tl.float32)
+        rhs = xv * tl.sigmoid(xv) * up
+    else:
+        rhs = xv
+    return rhs.to(x.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _add_residual(out, res, rows, m_rows):
+    """``out + res[rows]``, rounded to ``out``'s dtype as the unfused residual add rounds it."""
+    return (out.to(tl.float32) + tl.load(res + rows, mask=m_rows, other=0.).to(tl.float32)).to(out.dtype)
+
+
+@triton.jit
 def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, window, conv_w, conv_b, C,
                 PRO: tl.constexpr, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KR: tl.constexpr,
                 KC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, PER_SM: tl.constexpr,
@@ -65,33 +96,14 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
     m_cols = cols < K
     wt = _weight_block(w, pid, N, stride_w, cols, m_cols, BN)
     pdl.wait_for_inputs(PDL)
-    xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
-    if PRO == NORM_ADD:
-        xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
-        if pid == 0:                                 # the residual stream after the add, for the next residual
-            tl.store(add_out + cols, xv.to(add_out.dtype.element_ty), mask=m_cols)
-    if PRO == NORM or PRO == NORM_ADD:
-        rstd = 1 / tl.sqrt(tl.sum(tl.sum(xv * xv, 1), 0) / K + eps)
-        rhs = xv * rstd * tl.load(norm_w + cols, mask=m_cols, other=0.).to(tl.float32)
-    elif PRO == GATED_NORM:
-        h_rstd = 1 / tl.sqrt(tl.sum(xv * xv, 1) / KC + eps)                  # one statistic per head (row)
-        gv = tl.load(gate + cols, mask=m_cols, other=0.).to(tl.float32)
-        rhs = xv * h_rstd[:, None] * tl.load(norm_w + tl.arange(0, KC)).to(tl.float32)[None, :]
-        rhs = rhs * gv * tl.sigmoid(gv)
-    elif PRO == SWIGLU:
-        up = tl.load(x + K + cols, mask=m_cols, other=0.).to(tl.float32)
-        rhs = xv * tl.sigmoid(xv) * up
-    else:
-        rhs = xv
-    rhs = rhs.to(x.dtype.element_ty).to(tl.float32)        # rounded as the unfused op's output
+    rhs = _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, pid == 0, PRO, KC)
     for blk in range(pid, n_blocks, G):
         wt_next = _weight_block(w, blk + G, N, stride_w, cols, m_cols, BN)
         rows = blk * BN + tl.arange(0, BN)
         m_rows = rows < N
         out = tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1).to(y.dtype.element_ty)  # the GEMM's rounding
         if EPI == RESIDUAL:
-            out = (out.to(tl.float32) + tl.load(res + rows, mask=m_rows, other=0.).to(tl.float32)).to(
-                y.dtype.element_ty)
+            out = _add_residual(out, res, rows, m_rows)
         elif EPI == CONV:
             # rows < C are raw conv inputs: window [C, W] (newest last) -> [window[1:], out], conv, SiLU
             m_conv = m_rows & (rows < C)
@@ -110,6 +122,42 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
         tl.store(y + rows, out, mask=m_rows)
         wt = wt_next
 
+
+
+@triton.jit
+def gemv_split_kernel(w, x, y, part, count, N, K, stride_w, norm_w, gate, eps, res,
+                      PRO: tl.constexpr, EPI: tl.constexpr, KR: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr,
+                      PDL: tl.constexpr):
+    # Split-K for narrow products (few rows, long rows: o_proj and down, 2048 x 3072 / 5632 at 1.3B). The row-owner
+    # kernel above has only N / BN row blocks to spread over the SMs, and each holds a whole padded row of registers
+    # (5632 pads to 8192); here program (b, s) owns rows b * BN .. and the s-th [KR, KC] slice of the columns, so
+    # there are S times more, smaller, unpadded loads in flight. Each writes its fp32 partial sums to ``part [S, N]``;
+    # the program that finds itself last on its row block (a counter per block) adds the S partials in slice order
+    # -- the same order on every run, so the result is deterministic -- applies the epilogue, stores the row block
+    # and re-arms the counter for the next launch. Only column-local prologues (plain, gated norm of whole heads,
+    # SwiGLU) and the residual epilogue qualify.
+    pdl.allow_dependents(PDL)
+    i_b, i_s = tl.program_id(0), tl.program_id(1)
+    S = tl.num_programs(1)
+    rows = i_b * BN + tl.arange(0, BN)
+    m_rows = rows < N
+    cols = i_s * KR * KC + tl.arange(0, KR)[:, None] * KC + tl.arange(0, KC)[None, :]
+    m_cols = cols < K
+    wt = _weight_block(w, i_b, N, stride_w, cols, m_cols, BN)
+    pdl.wait_for_inputs(PDL)
+    rhs = _rhs(x, x, x, norm_w, gate, eps, cols, m_cols, K, False, PRO, KC)
+    tl.store(part + i_s * N + rows, tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1), mask=m_rows)
+    # every thread's partial is written before one thread's counter update releases them (acq_rel, GPU scope)
+    tl.debug_barrier()
+    if tl.atomic_add(count + i_b, 1, sem="acq_rel") == S - 1:
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for t in range(S):       # .cg: read at L2, where the other programs' partials are
+            acc += tl.load(part + t * N + rows, mask=m_rows, other=0., cache_modifier=".cg")
+        out = acc.to(y.dtype.element_ty)                 # the GEMM's rounding
+        if EPI == RESIDUAL:
+            out = _add_residual(out, res, rows, m_rows)
+        tl.store(y + rows, out, mask=m_rows)
+        tl.atomic_xchg(count + i_b, 0)
 
 MAX_K = 16384       # the whole input is one register tile
 TUNE_BYTES = 8 * 2**20   # products with smaller weights run one fixed launch shape: tuning would cost compiles
@@ -158,16 +206,46 @@ def _cold_bench(kernel_call, quantiles=(0.5, 0.2, 0.8), **_) -> list[float]:
     return torch.quantile(times, torch.tensor(quantiles)).tolist()
 
 
+def _split_configs():
+    """(rows per program, warps) for the split-K kernel; a program holds one ``[BN, KS]`` slice of the weight."""
+    return [triton.Config({"BN": bn}, num_warps=nw) for bn, nw in [(4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8)]]
+
+
 # tuned per shape and mode on first use (a conv epilogue rewrites its window: the tuner restores it between trials)
 _tuned_kernel = triton.autotune(_configs(), key=["N", "K", "PRO", "EPI", "KC"], restore_value=["window"],
                                 prune_configs_by={"early_config_prune": _prune}, do_bench=_cold_bench)(gemv_kernel)
 
 
+_tuned_split = triton.autotune(_split_configs(), key=["N", "K", "PRO", "EPI", "KR", "KC"],
+                               do_bench=_cold_bench)(gemv_split_kernel)
+
+USE_SPLIT_K = True       # read at launch / capture: profile_step's "split" A/B turns it off
+SPLIT_COLS = 512         # columns per split-K program
+SPLIT_MAX_ROWS = 4096    # products with more rows fill the GPU by rows alone
+_split_buffers: dict = {}
+
+
+def _split_workspace(device: torch.device, N: int, S: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial sums ``[S, N]`` and per-row-block counters (zero between launches) of a split-K product, one pair
+    per shape and device. Products of one shape share them: in one stream each launch ends (or, with PDL, reaches
+    nothing of them before the previous kernel ends) before the next begins. Two streams running same-shaped split
+    products at once would need their own."""
+    key = (device, N, S)
+    if key not in _split_buffers or _split_buffers[key][1].numel() < blocks:
+        _split_buffers[key] = (torch.empty(S * N, dtype=torch.float32, device=device),
+                               torch.zeros(blocks, dtype=torch.int32, device=device))
+    return _split_buffers[key]
+
+
 def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
          add: torch.Tensor | None = None, add_out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          swiglu: bool = False, residual: torch.Tensor | None = None,
-         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Triton twin of ``gemv_ref``; arguments are 1-D vectors (one token of batch 1), see the module docstring."""
+         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+         split: int | None = None) -> torch.Tensor:
+    """Triton twin of ``gemv_ref``; arguments are 1-D vectors (one token of batch 1), see the module docstring.
+    ``split``: columns per program of the split-K kernel (a power of two; a multiple of the head size with a gated
+    norm), 0 for the row-owner kernel; by default large products with at most ``SPLIT_MAX_ROWS`` rows whose prologue
+    and epilogue allow it take split-K with ``SPLIT_COLS`` columns."""
     N, K = weight.shape
     if K > MAX_K:
         raise ValueError(f"gemv keeps the whole input in registers: at most {MAX_K} columns, got {K}")
@@ -182,17 +260,39 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
     pro = (SWIGLU if swiglu else GATED_NORM if gate is not None else NORM_ADD if add is not None else
            NORM if norm is not None else PLAIN).value
     epi = (CONV if conv is not None else RESIDUAL if residual is not None else NO_EPILOGUE).value
+    big = x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES
+    column_local = pro in (PLAIN.value, GATED_NORM.value, SWIGLU.value) and epi != CONV.value
+    if split is None:
+        split = SPLIT_COLS if USE_SPLIT_K and big and column_local and N <= SPLIT_MAX_ROWS and K > SPLIT_COLS else 0
+    y = x.new_empty(N)
+    on = pdl.enabled(x.device)
+    if split:
+        if not column_local:
+            raise ValueError("split-K needs a column-local prologue (plain, gated norm, SwiGLU) and no conv epilogue")
+        if split & (split - 1) or pro == GATED_NORM.value and split % KC:
+            raise ValueError(f"split must be a power of two (with a gated norm, a multiple of its head size {KC}), "
+                             f"got {split}")
+        KC = min(KC, split)
+        S = triton.cdiv(K, split)
+        part, count = _split_workspace(x.device, N, S, triton.cdiv(N, 2))
+        args = (weight, x, y, part, count, N, K, weight.stride(0), norm[0] if norm is not None else x,
+                gate if gate is not None else x, norm[1] if norm is not None else 0.,
+                residual if residual is not None else x)
+        consts = dict(PRO=pro, EPI=epi, KR=split // KC, KC=KC, PDL=on)
+        if big:
+            _tuned_split[lambda meta: (triton.cdiv(N, meta["BN"]), S)](*args, **consts, launch_pdl=on)
+        else:     # a small product or the interpreter (tests): one configuration
+            gemv_split_kernel[(triton.cdiv(N, 2), S)](*args, **consts, BN=2, num_warps=4, launch_pdl=on)
+        return y
     window, conv_w, conv_b = conv if conv is not None else (x, x, None)
     W = window.shape[-1] if conv is not None else 1
-    y = x.new_empty(N)
     args = (weight, x, y, N, K, weight.stride(0), add if add is not None else x, add_out if add_out is not None else x,
             norm[0] if norm is not None else x, gate if gate is not None else x, norm[1] if norm is not None else 0.,
             residual if residual is not None else x, window, conv_w, conv_b if conv_b is not None else x,
             window.shape[0] if conv is not None else 0)
-    on = pdl.enabled(x.device)
     consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None,
                   KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W), PDL=on)
-    if x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES:
+    if big:
         _tuned_kernel[_grid(N, x.device)](*args, **consts, launch_pdl=on)
     elif x.is_cuda:      # a small product (a small model, a drafter): one reasonable shape, no tuning compiles
         gemv_kernel[_grid(N, x.device)({"BN": 2, "PER_SM": 4})](*args, **consts, BN=2, PER_SM=4, num_warps=4,
