@@ -29,7 +29,7 @@ import torch
 import triton
 
 from specla_kernels import reference as ref
-from specla_kernels.commit import COMMIT_TILE, commit_
+from specla_kernels.commit import commit_
 from specla_kernels.ops import commit_state_
 from specla_kernels.tree_conv import tree_conv
 from specla_kernels.tree_delta import tree_ancestors, tree_config, tree_gated_delta_rule
@@ -38,14 +38,17 @@ LAYERS, H, HV, K, V, B = 21, 6, 6, 256, 512, 1
 CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share one depthwise conv of width 4
 NODES = (1, 4, 16, 32, 64, 128)
 # launch shapes tried beside tree_config's default, per padded node count BN
-# (BK = 32 and 8 warps: the shapes with few or no register spills, benchmarks/kernel_resources.py, session 7)
-SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=128), dict(BK=32)],
-         32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64), dict(BK=32), dict(BK=32, num_warps=8)],
-         64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(num_warps=2), dict(BV=16, num_warps=8), dict(BK=32),
-              dict(BK=32, num_warps=8)],
-         128: [dict(BC=32), dict(num_warps=4), dict(BV=16), dict(BV=64), dict(BK=16, BV=16)]}
+# (BK = 32 and 8 warps: the shapes with few register spills, benchmarks/kernel_resources.py)
+SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=64), dict(BK=16)],
+         32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64), dict(BK=64), dict(BV=64, num_warps=8)],
+         64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(BV=16, num_warps=8), dict(BK=32),
+              dict(BK=32, num_warps=8), dict(BK=32, BV=16), dict(BV=64, num_warps=8), dict(BK=16, num_warps=8)],
+         128: [dict(BC=32), dict(num_warps=4), dict(num_warps=16), dict(BV=16), dict(BV=64), dict(BK=32),
+               dict(BK=16, BV=16)]}
 # state tiles [BV, BK] of one commit program
-COMMIT_SWEEP = [dict(BV=bv, BK=bk) for bv, bk in ((64, 64), (32, 64), (64, 128), (128, 64), (64, 256), (32, 256))]
+COMMIT_SWEEP = [dict(BV=bv, BK=bk, num_warps=w) for bv, bk, w in ((64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 4),
+                                                                  (64, 256, 4), (64, 64, 8), (128, 64, 8),
+                                                                  (64, 128, 8))]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -214,8 +217,12 @@ def main() -> None:
         row["commit_sweep"] = []
         for t in COMMIT_SWEEP:
             s_t = state0.clone()                  # each tile shape checked on layer 0, then timed on all layers
-            commit_(parents, accepted, ancestors=anc, tile=t,
-                    states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
+            try:
+                commit_(parents, accepted, ancestors=anc, tile=t,
+                        states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
+            except triton.runtime.errors.OutOfResources as e:       # e.g. [64, 256] at 128 nodes: shared memory
+                row["commit_sweep"].append(dict(tile=t, error=str(e)))
+                continue
             row["commit_sweep"].append(dict(tile=t, err=rel(s_t, s_r), ms_21=bench_graph(commit(layers, t))))
         if best:
             row["tree_best_1_ms"] = bench_graph(tree(layers[:1], best["config"]))
@@ -260,7 +267,8 @@ def main() -> None:
               f"| {r['commit_GBps']:.0f} | {r['path_len']} | {'ok' if r['ok'] else 'FAIL'} | {best} |")
     for r in out["rows"]:
         print(f"commit 21L at N = {r['N']}, us (rel err vs reference): "
-              + ", ".join(f"{c['tile']} {c['ms_21'] * us:.1f} ({c['err']:.0e})" for c in r["commit_sweep"]))
+              + ", ".join(f"{c['tile']} " + (f"{c['ms_21'] * us:.1f} ({c['err']:.0e})" if "ms_21" in c else
+                                              "out of resources") for c in r["commit_sweep"]))
     print(f"\nper draft node, 21 layers: factors {factor_node / 2**20:.3f} MiB (+ raw conv inputs "
           f"{conv_node / 2**20:.3f} MiB) vs snapshot {snapshot_node / 2**20:.1f} MiB: "
           f"{100 * factor_node / snapshot_node:.2f}% ({100 * (factor_node + conv_node) / snapshot_node:.2f}% with conv "

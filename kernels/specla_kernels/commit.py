@@ -149,10 +149,13 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
         raise ValueError(f"{what} must be {dtype}, got {t0.dtype}")
 
 
-# a program's [BV, BK] state tile (benchmarks/bench_kernels.py sweeps it; [64, 64] was the fastest in session 7's
-# sweep at 1, 16 and 64 nodes: 48 / 54 / 102 us for 21 layers, against 52 / 56 / 152 at [32, 64]). Visiting only the
-# path's nodes, 16 per dot in a loop, measured 94-406 us at every tile (session 7): the whole-tree masked dot stays.
-COMMIT_TILE = dict(BV=64, BK=64)
+def commit_tile(n: int) -> dict[str, int]:
+    """A program's ``[BV, BK]`` state tile and warps for a tree of ``n`` nodes: the fastest of the sweep in
+    benchmarks/bench_kernels.py (H200, 1.3B shape, 21 layers; session 8): [64, 128] for 17-64 nodes (66 / 84 us at
+    32 / 64 nodes, against 68 / 102 at [64, 64]), [64, 64] otherwise (48 / 49 / 55 us at 1 / 4 / 16 nodes, 187 at
+    128, where [64, 128] takes 386); 8 warps lost at every size. Visiting only the path's nodes, 16 per dot in a
+    loop, measured 94-406 us (session 7): the whole-tree masked dot stays."""
+    return dict(BV=64, BK=128 if 16 < n <= 64 else 64, num_warps=4)
 
 
 def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
@@ -170,6 +173,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         raise ValueError(f"one tree chunk holds 1..128 nodes, got {Nt}")
     if ancestors is None:
         ancestors = tree_ancestors(parents)
+    tile = {**commit_tile(Nt), **(tile or {})}
     tables, n_state, n_window = [], 0, 0
     shape = dict(H=1, HV=1, K=16, V=16, BK=16, BV=16, X_DTYPE=tl.float32, W_DTYPE=tl.float32, W=1, BW=1, BD=16)
     if states is not None:
@@ -177,7 +181,6 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
             _same(ts, what, torch.float32)
         _, HV, V, K = states[0][0].shape
         H = states[1][0].shape[2]
-        tile = {**COMMIT_TILE, **(tile or {})}
         BV, BK = min(tile["BV"], triton.next_power_of_2(V)), max(16, min(tile["BK"], triton.next_power_of_2(K)))
         n_state = len(states[0]) * B * HV * triton.cdiv(V, BV) * triton.cdiv(K, BK)
         shape.update(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
@@ -199,5 +202,5 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         tables += tables[:2]                                  # never read: no window programs
     commit_kernel[(n_state + n_window,)](
         *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
-        BN=max(16, triton.next_power_of_2(Nt)), **shape, num_warps=4,
+        BN=max(16, triton.next_power_of_2(Nt)), **shape, num_warps=tile["num_warps"],
     )
