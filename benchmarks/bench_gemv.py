@@ -3,12 +3,13 @@
     python benchmarks/bench_gemv.py
 
 For each product of a one-token step (input projection with norm + conv, output projection with gated norm, MLP
-gate|up with residual add + norm, down projection with SwiGLU + residual, LM head with norm), it checks the
-fused kernel against ``gemv_ref``, then times it and cuBLAS's plain ``F.linear`` on the same weight, 21 copies of it run
+gate|up with residual add + norm, down projection with SwiGLU + residual, LM head with norm), it checks the fused
+kernel against ``gemv_ref``, then times it and cuBLAS's plain ``F.linear`` on the same weight, 21 copies of it run
 back to back in one CUDA graph as a model's 21 layers run (so weights stream from HBM; medians of 60 replays), and
-reports the weight bandwidth of each; the fused chain once more with programmatic dependent launch off (each
-kernel waiting for the previous one to end), and once with the row-owner kernel where split-K is the default (the
-narrow products). cuBLAS does the product only: the fused ops it leaves out are separate kernels in the unfused step. With ``$OUT`` set it writes ``$OUT/bench_gemv.json``.
+reports the weight bandwidth of each; the fused chain once more with programmatic dependent launch off (each kernel
+waiting for the previous one to end), once with the row-owner kernel and once with split-K at each of ``SPLITS``
+columns per program. cuBLAS does the product only: the fused ops it leaves out are separate kernels in the unfused
+step. With ``$OUT`` set it writes ``$OUT/bench_gemv.json``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from specla_kernels.gemv import _tuned_kernel, _tuned_split, gemv
 
 HID, H, HV, KD, VD, INTER, VOCAB, W, LAYERS = 2048, 6, 6, 256, 512, 5632, 16384, 4, 21
 CONV = 2 * H * KD + HV * VD
+SPLITS = (512, 1024, 2048)          # columns per split-K program (2048 = one slice of a 2048-wide row)
 
 
 def bench(fns) -> float:
@@ -70,20 +72,21 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     configs = {f"{k} -> {v}" for tuned in (_tuned_kernel, _tuned_split) for k, v in tuned.cache.items()}
     layer = {m: sum(r[f"{m}_us"] for r in rows if not r["name"].startswith("lm_head"))
-             for m in ("fused", "fused_no_pdl", "rows", "cublas")}
+             for m in ("fused", "fused_no_pdl", "rows", "cublas", *(f"split{c}" for c in SPLITS))}
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows,
                layer_us=layer, tuned_configs=sorted(configs))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_gemv.json"), "w") as f:
             json.dump(out, f, indent=1)
     print(f"\n{out['device']}, triton {triton.__version__}; per product, over 21 weight copies in one CUDA graph")
-    print("\n| product | N x K | MB | fused us | fused GB/s | fused, no PDL us | row-owner kernel us "
-          "| cuBLAS us (product only) | cuBLAS GB/s | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| product | N x K | MB | fused us | fused GB/s | fused, no PDL us | row-owner kernel us | "
+          + " | ".join(f"split-K {c} us" for c in SPLITS) + " | cuBLAS us (product only) | cuBLAS GB/s | rel err |")
+    print("|---" * (9 + len(SPLITS)) + "|")
     for r in rows:
         print(f"| {r['name']} | {r['N']} x {r['K']} | {r['MB']:.1f} | {r['fused_us']:.1f} "
-              f"| {r['fused_GBps']:.0f} | {r['fused_no_pdl_us']:.1f} | {r['rows_us']:.1f} | {r['cublas_us']:.1f} "
-              f"| {r['cublas_GBps']:.0f} | {r['rel_err']:.1e} |")
+              f"| {r['fused_GBps']:.0f} | {r['fused_no_pdl_us']:.1f} | {r['rows_us']:.1f} | "
+              + " | ".join(f"{r[f'split{c}_us']:.1f}" for c in SPLITS)
+              + f" | {r['cublas_us']:.1f} | {r['cublas_GBps']:.0f} | {r['rel_err']:.1e} |")
     print("one layer's four products: " + ", ".join(f"{m} {t:.1f} us (x21: {21 * t / 1e3:.3f} ms)"
                                                      for m, t in layer.items()))
     for c in sorted(configs):
@@ -108,11 +111,13 @@ def measure(name: str, w: torch.Tensor, x: torch.Tensor, kw: dict, window: torch
     t_no_pdl = bench([lambda c=c: gemv(c, x, **kw) for c in copies])
     pdl.USE_PDL = True
     t_rows = bench([lambda c=c: gemv(c, x, **kw, split=0) for c in copies])   # the row-owner kernel (no split-K)
+    t_split = {f"split{cols}_us": bench([lambda c=c: gemv(c, x, **kw, split=cols) for c in copies]) * 1e3
+               for cols in SPLITS}
     t_cublas = bench([lambda c=c: F.linear(rhs, c) for c in copies])
     nbytes = w.numel() * w.element_size()
     return dict(name=name, N=w.shape[0], K=w.shape[1], MB=nbytes / 2**20, fused_us=t_fused * 1e3,
-                fused_no_pdl_us=t_no_pdl * 1e3, rows_us=t_rows * 1e3, cublas_us=t_cublas * 1e3, fused_GBps=nbytes / t_fused / 1e6,
-                cublas_GBps=nbytes / t_cublas / 1e6, rel_err=err)
+                fused_no_pdl_us=t_no_pdl * 1e3, rows_us=t_rows * 1e3, **t_split, cublas_us=t_cublas * 1e3,
+                fused_GBps=nbytes / t_fused / 1e6, cublas_GBps=nbytes / t_cublas / 1e6, rel_err=err)
 
 
 if __name__ == "__main__":

@@ -194,22 +194,25 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 
 def _setting(**values):
-    """A function that sets ``pdl.USE_PDL`` and ``gemv.USE_SPLIT_K`` (the keys given) and the others to their
-    defaults. (Session 7 also
-    compared here an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325
-    ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; both were removed.)"""
+    """A function that sets ``pdl.USE_PDL``, ``gemv.SPLIT_MAX_ROWS`` and ``gemv.SPLIT_COLS`` (keys ``pdl``,
+    ``split_rows``, ``split_cols``) to the values given and the others to their defaults. (Also compared here and
+    removed: in session 7 an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 /
+    1.325 ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; in session 9
+    PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head suggested:
+    1.175 vs 1.136 ms.)"""
     def apply():
         pdl.USE_PDL = values.get("pdl", True)
-        gemv.USE_SPLIT_K = values.get("split", True)
+        gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
+        gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
     return apply
 
 
+_GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
 DEFAULTS = _setting()
-AB = {  # name -> its settings
-    "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False)},
-    # the narrow GEMVs; the first setting again, built last, shows what the build order alone does
-    "split": {"split-K": _setting(split=True), "row-owner": _setting(split=False),
-              "split-K again": _setting(split=True)},
+AB = {  # name -> its settings; a setting repeated last shows what the build order alone does
+    "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False), "on again": _setting(pdl=True)},
+    "split": {"default": _setting(), "session 8 (<= 4096 rows, 512 columns)": _setting(split_rows=4096,
+              split_cols=512), "none": _setting(split_rows=0), "default again": _setting()},
 }
 
 

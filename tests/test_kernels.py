@@ -478,32 +478,48 @@ def test_gemv_matches_reference(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gemv_split_k_matches_reference(device, dtype):
-    """The split-K GEMV (narrow products: output projection, down projection) against ``gemv_ref``: slices of one
-    head and of several, a last slice only partly inside the row, odd row counts. Each product runs twice: the
-    per-block counters re-arm themselves, and the in-order sum of the partials gives the same bits both times.
-    Prologues whose statistic spans the whole input are refused."""
+    """The split-K GEMV against ``gemv_ref`` with every prologue and epilogue of the decode step: slices of one head
+    and of several, a last slice only partly inside the row, odd row counts, a norm whose statistic spans slices
+    (with the residual sum written out), the conv epilogue's window shift. Each product runs twice: the per-block
+    counters re-arm themselves, and the in-order sum of the partials gives the same bits both times."""
     from specla_kernels.gemv import gemv
     s = GEMV_SHAPES[device]
     gen = seeded(dtype, 'gemv_split')
     rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(device, dtype)  # noqa: E731
     hid, vd, inter, hd = s["hidden"], s["heads"] * s["head_dim"], s["inter"], s["head_dim"]
-    head_w, res = rnd(hd).abs() + 0.5, rnd(hid)
+    head_w, res, norm_w, h = rnd(hd).abs() + 0.5, rnd(hid), rnd(hid).abs() + 0.5, rnd(hid)
     o_w, o_x, gate = rnd(hid, vd, scale=vd ** -0.5), rnd(vd), rnd(vd)
     down_w, down_x = rnd(hid, inter, scale=inter ** -0.5), rnd(2 * inter)
     plain_w, plain_x = rnd(hid + 3, inter), rnd(inter)
+    proj_w, window = rnd(s["proj"], hid, scale=hid ** -0.5), rnd(s["conv"], 4)
+    conv = (rnd(s["conv"], 4), rnd(s["conv"]))
     wide = 512 if device == "cuda" else 32
     cases = [("o_proj, a head per slice", o_w, o_x, dict(norm=(head_w, 1e-5), gate=gate), hd),
              ("o_proj, two heads per slice", o_w, o_x, dict(norm=(head_w, 1e-5), gate=gate), 2 * hd),
              ("down", down_w, down_x, dict(swiglu=True, residual=res), wide // 2),
-             ("plain, odd rows", plain_w, plain_x, {}, wide)]
+             ("plain, odd rows", plain_w, plain_x, {}, wide),
+             ("in_proj: norm, conv", proj_w, h, dict(norm=(norm_w, 1e-6), conv=conv), wide // 2),
+             ("gate_up: add, norm", rnd(2 * inter, hid, scale=hid ** -0.5), h, dict(norm=(norm_w, 1e-6), add=res),
+              wide // 4)]
     tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]
     for name, w, x, kw, split in cases:
         assert w.shape[1] > split, f"{name}: the case must split"
-        y = gemv(w, x, **kw, split=split)
-        check(y, ref.gemv_ref(w, x, **kw), tol, name)
-        assert torch.equal(gemv(w, x, **kw, split=split), y), f"{name}: second run"
-    with pytest.raises(ValueError, match="column-local"):
-        gemv(plain_w, plain_x, norm=(rnd(inter).abs() + 0.5, 1e-6), split=wide)
+        runs = []
+        for fn, extra in [(gemv, dict(split=split)), (gemv, dict(split=split)), (ref.gemv_ref, {})]:
+            call = dict(kw, **extra)
+            if "conv" in kw:
+                call["conv"] = (window.clone(), *kw["conv"])
+            if "add" in kw:
+                call["add_out"] = torch.full_like(h, float("nan"))
+            runs.append((fn(w, x, **call), call))
+        (y, got), (y2, _), (want, want_kw) = runs
+        check(y, want, tol, name)
+        assert torch.equal(y2, y), f"{name}: second run"
+        if "conv" in kw:
+            assert torch.equal(got["conv"][0][:, :-1], want_kw["conv"][0][:, :-1]), f"{name}: window shift"
+            check(got["conv"][0][:, -1], want_kw["conv"][0][:, -1], tol, f"{name}: window's new column")
+        if "add" in kw:
+            check(got["add_out"], want_kw["add_out"], tol, f"{name}: residual sum")
     with pytest.raises(ValueError, match="multiple of its head size"):
         gemv(o_w, o_x, norm=(head_w, 1e-5), gate=gate, split=hd // 2)
 

@@ -99,8 +99,10 @@ def call_every_wrapper():
     gemv.gemv(z(hid, H * V), z(H * V), norm=(z(V), 1e-5), gate=z(H * V))
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid))
     gemv.gemv(z(hid, 5632), z(2 * 5632), swiglu=True, residual=z(hid))
-    gemv.gemv(z(hid, H * V), z(H * V), norm=(z(V), 1e-5), gate=z(H * V), split=512)   # split-K (narrow products)
+    gemv.gemv(z(hid, H * V), z(H * V), norm=(z(V), 1e-5), gate=z(H * V), split=512)   # split-K
     gemv.gemv(z(hid, 5632), z(2 * 5632), swiglu=True, residual=z(hid), split=512)
+    gemv.gemv(z(9280, hid), z(hid), norm=(w, 1e-6), conv=(z(D, W), z(D, W), None), split=1024)   # and wide ones
+    gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=512)
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):

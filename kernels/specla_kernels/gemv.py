@@ -1,4 +1,4 @@
-"""Triton kernel: a batch-1 matrix-vector product ``y = W @ f(x)`` with the decode step's small ops fused around it.
+"""Triton kernels: a batch-1 matrix-vector product ``y = W @ f(x)`` with the decode step's small ops fused around it.
 
 Semantics of :func:`specla_kernels.reference.gemv_ref`. A one-token step of a GDN model is four GEMVs per layer plus a
 dozen tiny kernels (norms, residual adds, short conv and its window update, SwiGLU, the split-K reductions cuBLAS adds
@@ -12,12 +12,17 @@ bandwidth. Here each GEMV applies the op that produced its input (prologue) and 
   causal conv: shift them into the ``window [C, W]`` in place, emit ``silu(conv)``).
 
 Every intermediate is rounded to the model dtype where the unfused ops round it, so the fused step computes what
-the stock layer computes up to the GEMV's summation order. One program owns ``BN`` output rows and loads its whole
-``[BN, K]`` block of ``W`` at once (``K <= 16384``; the input is one register tile): a batch-1 GEMV is bound by how
-many bytes are in flight, and a K loop without ``tl.dot`` is not software-pipelined, so each of its iterations
-waited a full memory latency (session 4 measured that version at 0.8-2.1 TB/s). No split-K: a row's sum has one
-owner, so results are deterministic, and a conv row's window has one writer. Prologue reductions (norm statistics)
-are recomputed by every program from ``x`` (a few KB, cache-resident): cheaper than a launch.
+the stock layer computes up to the GEMV's summation order. Two kernels, the same prologues and epilogues:
+
+- row-owner (``gemv_kernel``): one program owns ``BN`` output rows and loads its whole ``[BN, K]`` block of ``W`` at
+  once (``K <= 16384``; the input is one register tile): a batch-1 GEMV is bound by how many bytes are in flight,
+  and a K loop without ``tl.dot`` is not software-pipelined, so each of its iterations waited a full memory latency
+  (session 4 measured that version at 0.8-2.1 TB/s). Prologue statistics are recomputed by every program from ``x``
+  (a few KB, cache-resident): cheaper than a launch.
+- split-K (``gemv_split_kernel``): a program owns a row block and one slice of the columns; the last program of a
+  row block sums the slices' partials in slice order (deterministic: no float atomics) and applies the epilogue, so
+  a conv row's window still has one writer. More, smaller loads in flight: it wins on products with few rows
+  (``SPLIT_MAX_ROWS``, ``SPLIT_COLS``).
 """
 from __future__ import annotations
 
@@ -47,16 +52,26 @@ def _weight_block(w, blk, N, stride_w, cols, m_cols, BN: tl.constexpr):
 
 
 @triton.jit
-def _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, write_add, PRO: tl.constexpr, KC: tl.constexpr):
+def _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, write_add, PRO: tl.constexpr, KC: tl.constexpr,
+         KP: tl.constexpr):
     """The product's right-hand side at ``cols`` (a ``[KR, KC]`` tile; a gated norm's heads are its rows), rounded as
-    the unfused op's output. ``NORM``/``NORM_ADD`` need every column of ``x`` (their statistic spans the input)."""
+    the unfused op's output. The statistic of ``NORM``/``NORM_ADD`` spans the whole input: it is taken from the tile
+    when the tile is the whole input (``KP = 0``), else from a reload of all ``K <= KP`` columns (a few KB, cached)."""
     xv = tl.load(x + cols, mask=m_cols, other=0.).to(tl.float32)
     if PRO == NORM_ADD:
         xv += tl.load(x2 + cols, mask=m_cols, other=0.).to(tl.float32)
         if write_add:                                # the residual stream after the add, for the next residual
             tl.store(add_out + cols, xv.to(add_out.dtype.element_ty), mask=m_cols)
     if PRO == NORM or PRO == NORM_ADD:
-        rstd = 1 / tl.sqrt(tl.sum(tl.sum(xv * xv, 1), 0) / K + eps)
+        if KP == 0:
+            sum_sq = tl.sum(tl.sum(xv * xv, 1), 0)
+        else:
+            every = tl.arange(0, KP)
+            xa = tl.load(x + every, mask=every < K, other=0.).to(tl.float32)
+            if PRO == NORM_ADD:
+                xa += tl.load(x2 + every, mask=every < K, other=0.).to(tl.float32)
+            sum_sq = tl.sum(xa * xa, 0)
+        rstd = 1 / tl.sqrt(sum_sq / K + eps)
         rhs = xv * rstd * tl.load(norm_w + cols, mask=m_cols, other=0.).to(tl.float32)
     elif PRO == GATED_NORM:
         h_rstd = 1 / tl.sqrt(tl.sum(xv * xv, 1) / KC + eps)                  # one statistic per head (row)
@@ -72,9 +87,28 @@ def _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, write_add, PRO: tl.
 
 
 @triton.jit
-def _add_residual(out, res, rows, m_rows):
-    """``out + res[rows]``, rounded to ``out``'s dtype as the unfused residual add rounds it."""
-    return (out.to(tl.float32) + tl.load(res + rows, mask=m_rows, other=0.).to(tl.float32)).to(out.dtype)
+def _epilogue(out, rows, m_rows, res, window, conv_w, conv_b, C, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+              W: tl.constexpr, WP: tl.constexpr):
+    """The op consuming the output rows ``out`` (rounded as the GEMM rounds them), computed as the unfused op rounds:
+    ``RESIDUAL`` adds ``res[rows]``; ``CONV``: rows ``< C`` are raw conv inputs, their window ``[C, W]`` (newest
+    last) becomes ``[window[1:], out]`` in place and they are replaced by SiLU of the conv."""
+    if EPI == RESIDUAL:
+        out = (out.to(tl.float32) + tl.load(res + rows, mask=m_rows, other=0.).to(tl.float32)).to(out.dtype)
+    elif EPI == CONV:
+        m_conv = m_rows & (rows < C)
+        taps = tl.arange(0, WP)[None, :]
+        base = rows.to(tl.int64)[:, None] * W
+        shifted = tl.load(window + base + taps + 1, mask=m_conv[:, None] & (taps < W - 1), other=0.)
+        cw = tl.load(conv_w + base + taps, mask=m_conv[:, None] & (taps < W), other=0.).to(tl.float32)
+        new = tl.where(taps == W - 1, out.to(tl.float32)[:, None], shifted.to(tl.float32))
+        conv = tl.sum(new * cw, 1)
+        if HAS_CONV_BIAS:
+            conv += tl.load(conv_b + rows, mask=m_conv, other=0.).to(tl.float32)
+        # every thread holding a copy of a row must read its window before any writes it back shifted
+        tl.debug_barrier()
+        tl.store(window + base + taps, new.to(window.dtype.element_ty), mask=m_conv[:, None] & (taps < W))
+        out = tl.where(m_conv, (conv * tl.sigmoid(conv)).to(out.dtype), out)
+    return out
 
 
 @triton.jit
@@ -96,46 +130,30 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
     m_cols = cols < K
     wt = _weight_block(w, pid, N, stride_w, cols, m_cols, BN)
     pdl.wait_for_inputs(PDL)
-    rhs = _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, pid == 0, PRO, KC)
+    rhs = _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, pid == 0, PRO, KC, 0)
     for blk in range(pid, n_blocks, G):
         wt_next = _weight_block(w, blk + G, N, stride_w, cols, m_cols, BN)
         rows = blk * BN + tl.arange(0, BN)
         m_rows = rows < N
         out = tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1).to(y.dtype.element_ty)  # the GEMM's rounding
-        if EPI == RESIDUAL:
-            out = _add_residual(out, res, rows, m_rows)
-        elif EPI == CONV:
-            # rows < C are raw conv inputs: window [C, W] (newest last) -> [window[1:], out], conv, SiLU
-            m_conv = m_rows & (rows < C)
-            taps = tl.arange(0, WP)[None, :]
-            base = rows.to(tl.int64)[:, None] * W
-            shifted = tl.load(window + base + taps + 1, mask=m_conv[:, None] & (taps < W - 1), other=0.)
-            cw = tl.load(conv_w + base + taps, mask=m_conv[:, None] & (taps < W), other=0.).to(tl.float32)
-            new = tl.where(taps == W - 1, out.to(tl.float32)[:, None], shifted.to(tl.float32))
-            conv = tl.sum(new * cw, 1)
-            if HAS_CONV_BIAS:
-                conv += tl.load(conv_b + rows, mask=m_conv, other=0.).to(tl.float32)
-            # every thread holding a copy of a row must read its window before any writes it back shifted
-            tl.debug_barrier()
-            tl.store(window + base + taps, new.to(window.dtype.element_ty), mask=m_conv[:, None] & (taps < W))
-            out = tl.where(m_conv, (conv * tl.sigmoid(conv)).to(y.dtype.element_ty), out)
+        out = _epilogue(out, rows, m_rows, res, window, conv_w, conv_b, C, EPI, HAS_CONV_BIAS, W, WP)
         tl.store(y + rows, out, mask=m_rows)
         wt = wt_next
 
 
 
 @triton.jit
-def gemv_split_kernel(w, x, y, part, count, N, K, stride_w, norm_w, gate, eps, res,
-                      PRO: tl.constexpr, EPI: tl.constexpr, KR: tl.constexpr, KC: tl.constexpr, BN: tl.constexpr,
+def gemv_split_kernel(w, x, y, part, count, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, window, conv_w,
+                      conv_b, C, PRO: tl.constexpr, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KR: tl.constexpr,
+                      KC: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr,
                       PDL: tl.constexpr):
-    # Split-K for narrow products (few rows, long rows: o_proj and down, 2048 x 3072 / 5632 at 1.3B). The row-owner
-    # kernel above has only N / BN row blocks to spread over the SMs, and each holds a whole padded row of registers
-    # (5632 pads to 8192); here program (b, s) owns rows b * BN .. and the s-th [KR, KC] slice of the columns, so
-    # there are S times more, smaller, unpadded loads in flight. Each writes its fp32 partial sums to ``part [S, N]``;
-    # the program that finds itself last on its row block (a counter per block) adds the S partials in slice order
-    # -- the same order on every run, so the result is deterministic -- applies the epilogue, stores the row block
-    # and re-arms the counter for the next launch. Only column-local prologues (plain, gated norm of whole heads,
-    # SwiGLU) and the residual epilogue qualify.
+    # Split-K: program (b, s) owns rows b * BN .. and the s-th [KR, KC] slice of the columns. Against the row-owner
+    # kernel above it has S times more, smaller, unpadded loads in flight (a narrow product such as o_proj, 2048 rows,
+    # has too few row blocks to fill the SMs, and 5632 columns pad to 8192 there). Each program writes its fp32
+    # partial sums to ``part [S, N]``; the program that finds itself last on its row block (a counter per block)
+    # adds the S partials in slice order -- the same order on every run, so the result is deterministic -- applies
+    # the epilogue (a conv row's window has that one writer), stores the row block and re-arms the counter for the
+    # next launch. A norm's statistic spans the input: every program takes it from all of ``x`` (``KP``).
     pdl.allow_dependents(PDL)
     i_b, i_s = tl.program_id(0), tl.program_id(1)
     S = tl.num_programs(1)
@@ -145,7 +163,7 @@ def gemv_split_kernel(w, x, y, part, count, N, K, stride_w, norm_w, gate, eps, r
     m_cols = cols < K
     wt = _weight_block(w, i_b, N, stride_w, cols, m_cols, BN)
     pdl.wait_for_inputs(PDL)
-    rhs = _rhs(x, x, x, norm_w, gate, eps, cols, m_cols, K, False, PRO, KC)
+    rhs = _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, i_b == 0, PRO, KC, KP)
     tl.store(part + i_s * N + rows, tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1), mask=m_rows)
     # every thread's partial is written before one thread's counter update releases them (acq_rel, GPU scope)
     tl.debug_barrier()
@@ -153,11 +171,11 @@ def gemv_split_kernel(w, x, y, part, count, N, K, stride_w, norm_w, gate, eps, r
         acc = tl.zeros([BN], dtype=tl.float32)
         for t in range(S):       # .cg: read at L2, where the other programs' partials are
             acc += tl.load(part + t * N + rows, mask=m_rows, other=0., cache_modifier=".cg")
-        out = acc.to(y.dtype.element_ty)                 # the GEMM's rounding
-        if EPI == RESIDUAL:
-            out = _add_residual(out, res, rows, m_rows)
+        out = _epilogue(acc.to(y.dtype.element_ty), rows, m_rows, res, window, conv_w, conv_b, C, EPI,  # GEMM rounding
+                        HAS_CONV_BIAS, W, WP)
         tl.store(y + rows, out, mask=m_rows)
         tl.atomic_xchg(count + i_b, 0)
+
 
 MAX_K = 16384       # the whole input is one register tile
 TUNE_BYTES = 8 * 2**20   # products with smaller weights run one fixed launch shape: tuning would cost compiles
@@ -207,8 +225,16 @@ def _cold_bench(kernel_call, quantiles=(0.5, 0.2, 0.8), **_) -> list[float]:
 
 
 def _split_configs():
-    """(rows per program, warps) for the split-K kernel; a program holds one ``[BN, KS]`` slice of the weight."""
-    return [triton.Config({"BN": bn}, num_warps=nw) for bn, nw in [(4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8)]]
+    """(rows per program, warps) for the split-K kernel; a program holds one ``[BN, KR * KC]`` slice of the weight."""
+    return [triton.Config({"BN": bn}, num_warps=nw)
+            for bn, nw in [(2, 4), (4, 4), (8, 4), (16, 4), (4, 8), (8, 8), (16, 8), (32, 8)]]
+
+
+def _split_prune(configs, named_args, **kwargs):
+    """At most 64 weight elements per thread (one tile per program)."""
+    elems = kwargs["KR"] * kwargs["KC"]
+    ok = [c for c in configs if c.kwargs["BN"] * elems <= 64 * 32 * c.num_warps]
+    return ok or [min(configs, key=lambda c: c.kwargs["BN"] / c.num_warps)]
 
 
 # tuned per shape and mode on first use (a conv epilogue rewrites its window: the tuner restores it between trials)
@@ -216,12 +242,18 @@ _tuned_kernel = triton.autotune(_configs(), key=["N", "K", "PRO", "EPI", "KC"], 
                                 prune_configs_by={"early_config_prune": _prune}, do_bench=_cold_bench)(gemv_kernel)
 
 
-_tuned_split = triton.autotune(_split_configs(), key=["N", "K", "PRO", "EPI", "KR", "KC"],
+_tuned_split = triton.autotune(_split_configs(), key=["N", "K", "PRO", "EPI", "KR", "KC"], restore_value=["window"],
+                               prune_configs_by={"early_config_prune": _split_prune},
                                do_bench=_cold_bench)(gemv_split_kernel)
 
-USE_SPLIT_K = True       # read at launch / capture: profile_step's "split" A/B turns it off
-SPLIT_COLS = 512         # columns per split-K program
-SPLIT_MAX_ROWS = 4096    # products with more rows fill the GPU by rows alone
+# Which large products take split-K, and with how many columns per program: read at launch / capture
+# (profile_step's "split" A/B changes them). H200, 1.3B shape, session 9 (bench_gemv, 21 copies, two runs):
+# row-owner / split 512 / split 1024 us: o_proj 7.7-7.9 / 6.8-7.0 / 6.4-7.1, down 10.3 / 9.6 / 9.0, in_proj
+# 14.5 / 15.0 / 13.9-14.0, gate_up 16.0 / 18.3 / 17.2-17.5, lm_head 22.0 / 20.9-23.2 / 22.8. Timing each candidate
+# per shape on its first call, one cold launch at a time (the autotuner's way), picked the row-owner kernel for
+# o_proj: a lone launch does not show what a launch among its neighbours does.
+SPLIT_COLS = 1024
+SPLIT_MAX_ROWS = 10240   # products with more rows fill the GPU by rows alone (0: none split)
 _split_buffers: dict = {}
 
 
@@ -244,8 +276,8 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
          split: int | None = None) -> torch.Tensor:
     """Triton twin of ``gemv_ref``; arguments are 1-D vectors (one token of batch 1), see the module docstring.
     ``split``: columns per program of the split-K kernel (a power of two; a multiple of the head size with a gated
-    norm), 0 for the row-owner kernel; by default large products with at most ``SPLIT_MAX_ROWS`` rows whose prologue
-    and epilogue allow it take split-K with ``SPLIT_COLS`` columns."""
+    norm), 0 for the row-owner kernel; by default large products of at most ``SPLIT_MAX_ROWS`` rows take split-K with
+    ``SPLIT_COLS`` columns (a gated norm's head, if wider)."""
     N, K = weight.shape
     if K > MAX_K:
         raise ValueError(f"gemv keeps the whole input in registers: at most {MAX_K} columns, got {K}")
@@ -261,37 +293,35 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
            NORM if norm is not None else PLAIN).value
     epi = (CONV if conv is not None else RESIDUAL if residual is not None else NO_EPILOGUE).value
     big = x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES
-    column_local = pro in (PLAIN.value, GATED_NORM.value, SWIGLU.value) and epi != CONV.value
     if split is None:
-        split = SPLIT_COLS if USE_SPLIT_K and big and column_local and N <= SPLIT_MAX_ROWS and K > SPLIT_COLS else 0
+        cols = max(SPLIT_COLS, KC if pro == GATED_NORM.value else 0)     # whole heads of a gated norm
+        split = cols if big and N <= SPLIT_MAX_ROWS and K >= cols else 0
+    if split and (split & (split - 1) or pro == GATED_NORM.value and split % KC):
+        raise ValueError(f"split must be a power of two (with a gated norm, a multiple of its head size {KC}), "
+                         f"got {split}")
     y = x.new_empty(N)
     on = pdl.enabled(x.device)
+    window, conv_w, conv_b = conv if conv is not None else (x, x, None)
+    W = window.shape[-1] if conv is not None else 1
+    consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None, W=W, WP=triton.next_power_of_2(W), PDL=on)
+    operands = (add if add is not None else x, add_out if add_out is not None else x,
+                norm[0] if norm is not None else x, gate if gate is not None else x, norm[1] if norm is not None else 0.,
+                residual if residual is not None else x, window, conv_w, conv_b if conv_b is not None else x,
+                window.shape[0] if conv is not None else 0)
     if split:
-        if not column_local:
-            raise ValueError("split-K needs a column-local prologue (plain, gated norm, SwiGLU) and no conv epilogue")
-        if split & (split - 1) or pro == GATED_NORM.value and split % KC:
-            raise ValueError(f"split must be a power of two (with a gated norm, a multiple of its head size {KC}), "
-                             f"got {split}")
         KC = min(KC, split)
         S = triton.cdiv(K, split)
         part, count = _split_workspace(x.device, N, S, triton.cdiv(N, 2))
-        args = (weight, x, y, part, count, N, K, weight.stride(0), norm[0] if norm is not None else x,
-                gate if gate is not None else x, norm[1] if norm is not None else 0.,
-                residual if residual is not None else x)
-        consts = dict(PRO=pro, EPI=epi, KR=split // KC, KC=KC, PDL=on)
+        args = (weight, x, y, part, count, N, K, weight.stride(0), *operands)
+        whole_stat = pro in (NORM.value, NORM_ADD.value)      # a statistic over all of x: each program reloads it
+        consts.update(KR=split // KC, KC=KC, KP=triton.next_power_of_2(K) if whole_stat else 0)
         if big:
             _tuned_split[lambda meta: (triton.cdiv(N, meta["BN"]), S)](*args, **consts, launch_pdl=on)
         else:     # a small product or the interpreter (tests): one configuration
             gemv_split_kernel[(triton.cdiv(N, 2), S)](*args, **consts, BN=2, num_warps=4, launch_pdl=on)
         return y
-    window, conv_w, conv_b = conv if conv is not None else (x, x, None)
-    W = window.shape[-1] if conv is not None else 1
-    args = (weight, x, y, N, K, weight.stride(0), add if add is not None else x, add_out if add_out is not None else x,
-            norm[0] if norm is not None else x, gate if gate is not None else x, norm[1] if norm is not None else 0.,
-            residual if residual is not None else x, window, conv_w, conv_b if conv_b is not None else x,
-            window.shape[0] if conv is not None else 0)
-    consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None,
-                  KR=KR, KC=KC, W=W, WP=triton.next_power_of_2(W), PDL=on)
+    args = (weight, x, y, N, K, weight.stride(0), *operands)
+    consts.update(KR=KR, KC=KC)
     if big:
         _tuned_kernel[_grid(N, x.device)](*args, **consts, launch_pdl=on)
     elif x.is_cuda:      # a small product (a small model, a drafter): one reasonable shape, no tuning compiles
