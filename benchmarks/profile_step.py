@@ -34,7 +34,6 @@ import torch
 import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.defaults import load_models
 from specla_hf.cuda_graphs import copy_in
-from specla_hf import gdn
 from specla_hf.eagle import _BlockRunner
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
@@ -195,17 +194,16 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 
 def _setting(**values):
-    """A function that sets ``pdl.USE_PDL``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS`` and
-    ``gdn.FUSED_SMALL_OPS`` (keys ``pdl``, ``split_rows``, ``split_cols``, ``small_ops``) to the values given and the
-    others to their defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's
-    weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own
-    with PDL against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's
-    back-to-back copies of gate_up and lm_head suggested: 1.175 vs 1.136 ms.)"""
+    """A function that sets ``pdl.USE_PDL``, ``gemv.SPLIT_MAX_ROWS`` and ``gemv.SPLIT_COLS`` (keys ``pdl``,
+    ``split_rows``, ``split_cols``) to the values given and the others to their defaults. (Also compared here and
+    removed: in session 7 an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 /
+    1.325 ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; in session 9
+    PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head suggested:
+    1.175 vs 1.136 ms.)"""
     def apply():
         pdl.USE_PDL = values.get("pdl", True)
         gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
         gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
-        gdn.FUSED_SMALL_OPS = values.get("small_ops", True)
     return apply
 
 
@@ -215,9 +213,6 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
     "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False), "on again": _setting(pdl=True)},
     "split": {"default": _setting(), "session 8 (<= 4096 rows, 512 columns)": _setting(split_rows=4096,
               split_cols=512), "none": _setting(split_rows=0), "default again": _setting()},
-    # verify and drafter passes: the residual add fused into the next norm and the gates into the tree conv's launch,
-    # or not
-    "small_ops": {"fused": _setting(), "unfused": _setting(small_ops=False), "fused again": _setting()},
 }
 
 

@@ -36,7 +36,7 @@ from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
 from specla_hf.cuda_graphs import DRAFT_SEQ_TOKENS, GraphedForward, capture_or_warn, copy_in, to_device
 from specla_hf.drafting import DraftOptions, DynamicTreeDrafter
-from specla_hf.gdn import GDNRunner, RunnerOutput, add_norm
+from specla_hf.gdn import GDNRunner, RunnerOutput
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -217,10 +217,9 @@ class _BlockRunner(GDNRunner):
         block = self.blocks[0]
         y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents, cache.ancestors)
         y, residual = block.mlp_norm(y, residual=x, prenorm=True)
-        h, top = add_norm(self.model.norm, residual, self._mlp(0, y))
-        if logits_positions is not None:
-            top = top[:, logits_positions]
-        logits = self.lm_head(top)
+        h = residual + self._mlp(0, y)
+        top = h if logits_positions is None else h[:, logits_positions]
+        logits = self.lm_head(self.model.norm(top))
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (h,))    # fp32, no cast copy
 
 

@@ -107,31 +107,13 @@ def check_gdn_model(model, role: str = "target") -> None:
         raise NotImplementedError(f"the {role} uses hidden_act={cfg.hidden_act!r}; SpecLA supports 'swish'")
 
 
-def plain_norm(n: nn.Module) -> bool:
-    """An fla ``RMSNorm`` with a weight and no bias (what the fused kernels implement)."""
-    return isinstance(n, RMSNorm) and n.weight is not None and n.bias is None
-
-
-# verify and drafter passes: the residual add fused into the next norm, the gates into the tree conv's launch
-# (read at capture; profile_step's "small_ops" A/B turns it off)
-FUSED_SMALL_OPS = True
-
-
-def add_norm(norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream ``h + delta`` and ``norm`` of it: one kernel for a plain RMSNorm on the Triton path
-    (``ops.add_rms_norm``, rounding as the unfused add and norm do), the two modules' ops otherwise."""
-    if delta is None:
-        return h, norm(h)
-    if FUSED_SMALL_OPS and ops.use_triton(h) and plain_norm(norm):
-        return ops.add_rms_norm(h, delta, norm.weight, norm.eps)
-    h = h + delta
-    return h, norm(h)
-
-
 def supports_fused_step(model: GatedDeltaNetForCausalLM) -> bool:
     """Whether ``GDNRunner._decode_step`` computes this model's one-token step: fla's default block layout (fused
     pre-norm residual adds, bias-free RMSNorms and projections, short conv with SiLU, swish-gated output norm with
     power-of-two heads, SwiGLU MLP) with inputs of at most 16384 features. Other models take the general path."""
+    def plain_norm(n):
+        return isinstance(n, RMSNorm) and n.weight is not None and n.bias is None
+
     def no_bias(*linears):
         return all(lin.bias is None for lin in linears)
 
@@ -314,25 +296,21 @@ class GDNRunner:
         else:
             all_parents = cache.add_nodes(parents)
         h = self.model.model.embeddings(input_ids)
-        hidden = []
-        delta = None          # the last block's MLP output: added to the residual stream h with the next norm
+        hidden = [h] if 0 in hidden_layers else []
         for i, block in enumerate(self.blocks):
-            h, x = add_norm(block.attn_norm, h, delta)
-            if i in hidden_layers:
-                hidden.append(h)
-            x = self._mixer(i, x, cache.layers[i], all_parents, cache.ancestors)
+            residual = h
+            x = self._mixer(i, block.attn_norm(h), cache.layers[i], all_parents, cache.ancestors)
             if self.config.fuse_norm:
-                x, h = block.mlp_norm(x, residual=h, prenorm=True)
+                x, residual = block.mlp_norm(x, residual=residual, prenorm=True)
             else:
-                h = h + x
-                x = block.mlp_norm(h)
-            delta = self._mlp(i, x)
-        h, x = add_norm(self.model.model.norm, h, delta)
-        if len(self.blocks) in hidden_layers:
-            hidden.append(h)
+                residual = residual + x
+                x = block.mlp_norm(residual)
+            h = residual + self._mlp(i, x)
+            if i + 1 in hidden_layers:
+                hidden.append(h)
         if logits_positions is not None:
-            x = x[:, logits_positions]
-        return RunnerOutput(self.model.lm_head(x), tuple(hidden))
+            h = h[:, logits_positions]
+        return RunnerOutput(self.model.lm_head(self.model.model.norm(h)), tuple(hidden))
 
     def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
         """One token of batch 1 (``supports_fused_step``): per layer, the input projection GEMV (attn norm before
@@ -367,7 +345,6 @@ class GDNRunner:
         # one GEMM for all input projections; the rest take column views of it (fla's kernels and ours read strided
         # rows)
         x, gate, a, b = projection_columns(m, F.linear(h, proj))
-        g = None
         if not m.use_short_conv:
             y = F.silu(x)
         elif parents is None:
@@ -377,13 +354,9 @@ class GDNRunner:
             layer.window.copy_(window)
         elif not layer.x.shape[1]:
             # a fresh tree (every decoding step): the conv reads x, a column slice of the GEMM output, in place and
-            # writes the contiguous copy the factors keep on the way; the nodes' gates come out of the same launch
+            # writes the contiguous copy the factors keep on the way
             x_slice, x = x, x.new_empty(x.shape)
-            if FUSED_SMALL_OPS:
-                y, g, beta = ops.tree_conv(x_slice, conv_weight, conv_bias, layer.window, parents, x_out=x,
-                                           gate=(a, b, m.A_log, m.dt_bias, m.allow_neg_eigval))
-            else:
-                y = ops.tree_conv(x_slice, conv_weight, conv_bias, layer.window, parents, x_out=x)
+            y = ops.tree_conv(x_slice, conv_weight, conv_bias, layer.window, parents, x_out=x)
         else:
             x = x.contiguous()
             y = ops.tree_conv(torch.cat([layer.x, x], 1), conv_weight, conv_bias, layer.window, parents)[:, -T:]
@@ -401,8 +374,7 @@ class GDNRunner:
                               allow_neg_eigval=m.allow_neg_eigval, state_v_first=True)
             layer.state.copy_(state)
         else:
-            if g is None:
-                g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias, m.allow_neg_eigval)
+            g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias, m.allow_neg_eigval)
             prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
                                                     ancestors=ancestors)

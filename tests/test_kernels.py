@@ -341,14 +341,6 @@ def test_tree_conv_matches_reference(device, kind, dtype):
         y = tree_conv(x_slice, weight, bias, window, parents, "silu", x_out=x_out)
         check(y, ref.tree_conv_ref(x_slice, weight, bias, window, parents, "silu"), TOL[dtype], "y (column slice)")
         assert torch.equal(x_out, x_slice)
-        # the nodes' gates in the same launch, from column slices of the projection (odd head count)
-        proj = (torch.randn(B, N, 3 + 2 * 5, generator=gen) * 8).to(device, dtype)
-        gate = (proj[..., 3:8], proj[..., 8:], torch.randn(5, generator=gen).to(device),
-                torch.randn(5, generator=gen).to(device), True)
-        y2, g, beta = tree_conv(x_slice, weight, bias, window, parents, "silu", gate=gate)
-        assert torch.equal(y2, y), "y with the gates in the launch"
-        for got, want in zip((g, beta), ref.gdn_gate_beta_ref(*gate)):   # (softplus far below 0: ~1e-6 absolute)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -422,31 +414,6 @@ def test_gated_norm_matches_reference(device, dtype):
                 y = rms_norm_gated(x, gate, weight, bias, 1e-5, act)
                 assert y.dtype == dtype
                 check(y, ref.rms_norm_gated_ref(x, gate, weight, bias, 1e-5, act), TOL[dtype], f"{act} {B, T}")
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_add_rms_norm_matches_reference(device, dtype):
-    """The residual add + next norm against the unfused pair: odd feature counts, one row and many, batch > 1. On
-    the GPU the sum is bit-equal and the norm nearly so (at most 1% of elements one rounding apart): normalising the
-    unrounded fp32 sum instead, as fla's fused pre-norm add does, changes about half of them at bf16 (the inputs
-    are scaled so that most sums lose bits)."""
-    from specla_kernels.add_norm import add_rms_norm
-    gen = seeded(dtype, 'add_norm')
-    for shape in [(1, 1, 40), (2, 7, 33), (1, 16, 2048), (3, 5, 100)]:
-        if device == "cpu" and shape[-1] > 100:
-            continue
-        x = (torch.randn(*shape, generator=gen) * 40).to(device, dtype)
-        delta = torch.randn(*shape, generator=gen).to(device, dtype)
-        w = (torch.randn(shape[-1], generator=gen).abs() + 0.5).to(device, dtype)
-        h, y = add_rms_norm(x, delta, w, 1e-6)
-        h_ref, y_ref = ref.add_rms_norm_ref(x, delta, w, 1e-6)
-        assert h.dtype == y.dtype == dtype and h.shape == y.shape == x.shape
-        if device == "cuda":          # the interpreter truncates fp32 -> bf16 where the GPU rounds
-            assert torch.equal(h, h_ref), f"{shape}: residual sum"
-            assert (y == y_ref).float().mean() > 0.99, f"{shape}: norm of the rounded sum"
-        check(h, h_ref, 2 * TOL[dtype], f"{shape}: residual sum")
-        check(y, y_ref, 2 * TOL[dtype] if device == "cpu" else TOL[dtype], f"{shape}: norm")
 
 
 # ----------------------------------------------------------------------------------------------------------------

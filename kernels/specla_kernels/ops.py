@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from specla_kernels import reference
-from specla_kernels import add_norm as _add_norm
 from specla_kernels import commit as _commit
 from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import gate as _gate
@@ -67,15 +66,11 @@ def tree_conv(
     parents: torch.Tensor,
     activation: str | None = 'silu',
     x_out: torch.Tensor | None = None,
-    gate: tuple | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tree-aware depthwise short convolution (see ``tree_conv_ref``); ``x_out`` receives a contiguous copy of ``x``.
-    With ``gate = (a, b, A_log, dt_bias, allow_neg_eigval)`` of the same nodes, ``(y, *gdn_gate_beta(*gate))``: one
-    launch on the Triton path."""
+) -> torch.Tensor:
+    """Tree-aware depthwise short convolution (see ``tree_conv_ref``); ``x_out`` receives a contiguous copy of ``x``."""
     if use_triton(x):
-        return _tree_conv.tree_conv(x, weight, bias, window, parents, activation, x_out, gate)
-    y = reference.tree_conv_ref(x, weight, bias, window, parents, activation, x_out)
-    return y if gate is None else (y, *reference.gdn_gate_beta_ref(*gate))
+        return _tree_conv.tree_conv(x, weight, bias, window, parents, activation, x_out)
+    return reference.tree_conv_ref(x, weight, bias, window, parents, activation, x_out)
 
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
@@ -134,15 +129,6 @@ def expand_frontier(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_sc
     """One depth of the drafter's tree expansion after its top-k, in place (see ``expand_frontier_ref``)."""
     fn = _draft_expand.expand_frontier if use_triton(top_logp) else reference.expand_frontier_ref
     fn(top_logp, top_token, frontier_score, frontier_cand, cand, tokens, parents, next_score, next_cand, n, cand_base)
-
-
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, rmsnorm(x + delta))``, the sum rounded to the dtype before the norm as the unfused pair rounds it
-    (see ``add_rms_norm_ref``): the residual add between two blocks and the next block's input norm."""
-    if use_triton(x):
-        return _add_norm.add_rms_norm(x, delta, weight, eps)
-    return reference.add_rms_norm_ref(x, delta, weight, eps)
 
 
 def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -314,14 +314,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tenso
     return (y, h.to(dtype)) if prenorm else y
 
 
-def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add between blocks and the next RMSNorm, unfused: ``h = x + delta`` rounded to the dtype (a
-    torch add), then fla's RMSNorm of the rounded ``h``. Returns ``(h, rmsnorm(h))``."""
-    h = x + delta
-    return h, rms_norm_ref(h, weight, None, eps)
-
-
 def rms_norm_gated_ref(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                        eps: float, activation: str) -> torch.Tensor:
     """fla's ``FusedRMSNormGated``: ``rmsnorm(x) * w * act(g)`` with ``act`` swish/silu or sigmoid."""

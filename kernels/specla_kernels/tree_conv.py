@@ -4,8 +4,6 @@ Node ``i`` convolves its own raw input with those of its ``W-1`` nearest ancesto
 at distance ``s``, it reads column ``W - s + depth(i)`` of the committed window (fla layout ``[B, D, W]``, newest
 last), exactly what a plain sequence would have seen. Each program owns a block of nodes of one tree for a slice of
 channels and walks the parent pointers ``W-1`` steps, so no ancestor table is built and any node count works.
-Optionally one more column of programs computes the same nodes' decay and write strength (``gate.py``), which a
-verify pass needs next: a launch of its own cost about as much as the work (session 9).
 """
 from __future__ import annotations
 
@@ -13,12 +11,21 @@ import torch
 import triton
 import triton.language as tl
 
-from specla_kernels.gate import gate_beta_rows, gate_operands
 
-
-@triton.jit
-def _conv_block(x, weight, bias, window, parents, y, x_out, N, D, stride_xt, rows, m_n, i_d, i_b, W: tl.constexpr,
-                BN: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, COPY_X: tl.constexpr):
+@triton.jit(do_not_specialize=["N"])
+def tree_conv_kernel(
+    x, weight, bias, window, parents, y, x_out,
+    N, D, stride_xt,
+    W: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    COPY_X: tl.constexpr,
+):
+    i_d, i_n, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i_n * BN + tl.arange(0, BN)
+    m_n = rows < N
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     m_nd = m_n[:, None] & m_d[None, :]
@@ -49,35 +56,6 @@ def _conv_block(x, weight, bias, window, parents, y, x_out, N, D, stride_xt, row
     tl.store(y + (i_b * N + rows[:, None]).to(tl.int64) * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_nd)
 
 
-@triton.jit(do_not_specialize=["N"])
-def tree_conv_kernel(
-    x, weight, bias, window, parents, y, x_out,
-    N, D, stride_xt,
-    a, b, A_log, dt_bias, g, beta, stride_a, stride_b,
-    W: tl.constexpr,
-    BN: tl.constexpr,
-    BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-    COPY_X: tl.constexpr,
-    GATE: tl.constexpr,
-    HV: tl.constexpr,
-    BHV: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr,
-    BETA_SCALE: tl.constexpr,
-):
-    i_d, i_n, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = i_n * BN + tl.arange(0, BN)
-    m_n = rows < N
-    if GATE and i_d == tl.num_programs(0) - 1:
-        # the last column of programs computes the nodes' gates (``gate_beta_rows``): its own launch would cost more
-        gate_beta_rows(a, b, A_log, dt_bias, g, beta, (i_b * N + rows).to(tl.int64), m_n, stride_a, stride_b, HV,
-                       BHV, HAS_DT_BIAS, BETA_SCALE)
-    else:
-        _conv_block(x, weight, bias, window, parents, y, x_out, N, D, stride_xt, rows, m_n, i_d, i_b, W, BN, BD,
-                    HAS_BIAS, SILU, COPY_X)
-
-
 def tree_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -86,36 +64,27 @@ def tree_conv(
     parents: torch.Tensor,
     activation: str | None = 'silu',
     x_out: torch.Tensor | None = None,
-    gate: tuple | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Triton twin of ``tree_conv_ref``: ``x [B,N,D]`` raw inputs, ``weight [D,W]``, ``window [B,D,W]``,
     ``parents [B,N]``; returns ``[B,N,D]`` in the dtype of x. ``x`` may be a column slice of a wider tensor (tokens
     evenly spaced, channels contiguous: the runner's fused projection output), read in place; ``x_out`` (contiguous
-    ``[B,N,D]``), if given, receives a contiguous copy of ``x`` on the way (the raw inputs the commit needs).
-    ``gate = (a, b, A_log, dt_bias, allow_neg_eigval)`` of the same nodes: their ``gdn_gate_beta`` is computed in the
-    same launch and ``(y, g, beta)`` returned."""
+    ``[B,N,D]``), if given, receives a contiguous copy of ``x`` on the way (the raw inputs the commit needs)."""
     B, N, D = x.shape
     W = weight.shape[-1]
     if activation not in (None, 'silu', 'swish'):
         raise ValueError(f"unsupported activation {activation!r}")
     if x_out is not None and (x_out.shape != x.shape or x_out.dtype != x.dtype or not x_out.is_contiguous()):
         raise ValueError("x_out must be a contiguous tensor of x's shape and dtype")
-    if gate is not None and gate[0].shape[:2] != (B, N):
-        raise ValueError(f"gate inputs of shape {tuple(gate[0].shape)} for {B} x {N} nodes")
     if not (x.stride(-1) == 1 and (B == 1 or x.stride(0) == N * x.stride(1))):
         x = x.contiguous()
     BN = min(64, triton.next_power_of_2(N))
     BD = max(16, min(triton.next_power_of_2(D), 1024 // BN))
     y = x.new_empty(B, N, D)
-    if gate is not None:
-        gate_args, gate_consts, gates = gate_operands(*gate)
-    else:
-        gate_args, gate_consts, gates = (x,) * 6 + (0, 0), dict(HV=1, BHV=1, HAS_DT_BIAS=False, BETA_SCALE=1.0), ()
-    grid = (triton.cdiv(D, BD) + (gate is not None), triton.cdiv(N, BN), B)
+    grid = (triton.cdiv(D, BD), triton.cdiv(N, BN), B)
     tree_conv_kernel[grid](
         x, weight.contiguous(), bias if bias is not None else x, window.contiguous(), parents.contiguous(),
-        y, x_out if x_out is not None else y, N, D, x.stride(1) if N > 1 else x.stride(0), *gate_args,
+        y, x_out if x_out is not None else y, N, D, x.stride(1) if N > 1 else x.stride(0),
         W=W, BN=BN, BD=BD, HAS_BIAS=bias is not None, SILU=activation is not None, COPY_X=x_out is not None,
-        GATE=gate is not None, **gate_consts, num_warps=4,
+        num_warps=4,
     )
-    return (y, *gates) if gate is not None else y
+    return y
