@@ -37,7 +37,7 @@ from specla_kernels.tree_delta import tree_ancestors, tree_config, tree_gated_de
 LAYERS, H, HV, K, V, B = 21, 6, 6, 256, 512, 1
 CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share one depthwise conv of width 4
 NODES = (1, 4, 16, 32, 64, 128)
-# launch shapes tried beside tree_config's default, per padded node count BN
+# launch shapes of the WY/UT kernel tried beside tree_config's default, per padded node count BN
 # (BK = 32 and 8 warps: the shapes with few register spills, benchmarks/kernel_resources.py)
 SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=64), dict(BK=16)],
          32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64), dict(BK=64), dict(BV=64, num_warps=8)],
@@ -45,10 +45,13 @@ SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=
               dict(BK=32, num_warps=8), dict(BK=32, BV=16), dict(BV=64, num_warps=8), dict(BK=16, num_warps=8)],
          128: [dict(BC=32), dict(num_warps=4), dict(num_warps=16), dict(BV=16), dict(BV=64), dict(BK=32),
                dict(BK=16, BV=16)]}
-# state tiles [BV, BK] of one commit program
+# up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
+SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w) for bv, w in ((8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
+# state tiles [BV, BK] of one commit program (and path nodes per dot, BP)
 COMMIT_SWEEP = [dict(BV=bv, BK=bk, num_warps=w) for bv, bk, w in ((64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 4),
                                                                   (64, 256, 4), (64, 64, 8), (128, 64, 8),
-                                                                  (64, 128, 8))]
+                                                                  (64, 128, 8))] + [
+    dict(BV=64, BK=bk, BP=32, num_warps=4) for bk in (64, 128)]         # path chunks of 32 nodes (16 by default)
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -99,13 +102,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and no launch-shape sweep")
+    ap.add_argument("--nodes", help="comma-separated node counts (default: 1,16,64 with --quick, else "
+                    f"{','.join(map(str, NODES))})")
     args = ap.parse_args()
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
     dev = DEVICE
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator().manual_seed(0)
-    nodes = (1, 16, 64) if args.quick else NODES
+    nodes = [int(n) for n in args.nodes.split(",")] if args.nodes else (1, 16, 64) if args.quick else NODES
     out: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                      shape=dict(layers=LAYERS, H=H, HV=HV, K=K, V=V, batch=B, dtype=str(DTYPE)), rows=[])
 
@@ -151,7 +156,10 @@ def main() -> None:
         # ---- launch shapes for one layer: each checked against the reference, then timed; the best valid one is
         # timed on all layers below beside the default
         sweep, best = [], None
-        for over in [{}] + ([] if args.quick else SWEEP[tree_config(n, V, DTYPE)["BN"]]):
+        default = tree_config(n, V, DTYPE)
+        shapes = (SWEEP[default["BN"]] if n > 8 else SMALL_SWEEP if not default["SMALL"] else
+                  SMALL_SWEEP + [dict(SMALL=False)])
+        for over in [{}] + ([] if args.quick else shapes):
             o_t, _, u_t = tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents, L0["state"],
                                                 config=over)
             err = max(rel(o_t, o_r) / 10, rel(u_t, u_r))                     # o is bf16: 10x looser

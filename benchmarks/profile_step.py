@@ -12,10 +12,11 @@ median of many replays after warm-up):
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
   ``draft_step_tree`` / ``draft_step_chain``: its whole share of a step as the loop issues it (feature fusion,
   catch-up with the root, every depth, the selection);
-and, from one eager target step under ``torch.profiler``, the kernels it launches (count, summed GPU time): the gap
-between that sum and the graph replay is launch/dependency overhead inside the graph, the gap between the sum and the
-weight-bandwidth floor is kernel inefficiency; and whole decoding calls (AR, SpecLA tree and chain) under the
-profiler: wall vs GPU-busy time per step and the loop's host phases (Chrome traces beside the JSON). Writes ``--out/profile_step.json`` and prints a table last.
+and, from one eager target step and one eager verify pass of 16 and of 64 nodes under ``torch.profiler``, the
+kernels they launch (count, summed GPU time): the gap between that sum and the graph replay is launch/dependency
+overhead inside the graph, the gap between the sum and the weight-bandwidth floor is kernel inefficiency; and whole
+decoding calls (AR, SpecLA tree and chain) under the profiler: wall vs GPU-busy time per step and the loop's host
+phases (Chrome traces beside the JSON). Writes ``--out/profile_step.json`` and prints a table last.
 
     source .device/prelude.sh && export PYTHONPATH=$PWD/kernels:$PYTHONPATH && \
         python benchmarks/profile_step.py --out $OUT/profile
@@ -258,13 +259,14 @@ def main():
     res["ar_step_host_us"] = host_us(lambda: runner.forward(token, cache))
     res["profile"] = kernel_profile(lambda: runner._forward(token, cache, None, None, ()))
 
-    tree16 = random_tree(16, gen).cuda()
-    ids16 = torch.randint(0, cfg.vocab_size, (1, 16), generator=gen).cuda()
+    for n in (16, 64):
+        tree = random_tree(n, gen).cuda()
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).cuda()
 
-    def eager_verify():
-        runner._forward(ids16, cache, tree16, None, (1, 2, 21))
-        cache.discard()
-    res["profile_verify16"] = kernel_profile(eager_verify)
+        def eager_verify(ids=ids, tree=tree):
+            runner._forward(ids, cache, tree, None, (1, 2, 21))
+            cache.discard()
+        res[f"profile_verify{n}"] = kernel_profile(eager_verify)
 
     for n in (4, 8, 16, 25, 32, 64):
         # host tensors, as the decoding loop passes them (padded to the bucket and copied in by the runner)
@@ -348,11 +350,12 @@ def main():
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res["profile"], indent=1))
     print(json.dumps(res["profile_verify16"], indent=1))
+    print(json.dumps(res["profile_verify64"], indent=1))
     print("| call | ms |\n|---|---|")
     for k, v in res.items():
         if isinstance(v, float):
             print(f"| {k} | {v:.3f} |")
-    for name in ("profile", "profile_verify16"):
+    for name in ("profile", "profile_verify16", "profile_verify64"):
         p = res[name]
         print(f"| {name}: eager kernels | {p['kernels']} (summed GPU time {p['gpu_ms']:.3f} ms) |")
     for name in ("loop_ar", "loop_tree", "loop_tree_default", "loop_chain_default"):

@@ -7,6 +7,7 @@ leaks into other test modules. With a GPU the same tests run compiled at the fla
 6 heads). Every check draws fresh random inputs and random tree topologies, and every output buffer the kernels
 allocate starts poisoned with NaN, so an element a kernel forgets to write fails the test.
 """
+import functools
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import zlib
 import pytest
 import torch
 
+from specla_kernels import commit as commit_kernels
 from specla_kernels import ops
 from specla_kernels import reference as ref
 from specla_kernels.ops import commit_, commit_state_, commit_window_
@@ -138,6 +140,28 @@ def test_tree_delta_matches_reference(device, kind, dtype):
     assert all(torch.equal(a, b) for a, b in zip(given, (o, k_hat, u)))
     with pytest.raises(ValueError, match="ancestors"):
         tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=torch.ones(B, N, N + 1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_small_trees_both_kernels_match_reference(device, dtype):
+    """Up to 8 nodes both kernels can run (the node-by-node one by default up to ``SMALL_MAX``): each equals the
+    reference on chains, stars, random trees and forests of every size, with grouped value heads on the GPU."""
+    gen = seeded("small", dtype)
+    B, H, HV, K, V = SHAPES[device][dtype == torch.bfloat16]
+    sizes = range(1, 9) if device == "cuda" else (1, 3, 4, 6)
+    for kind in ("chain", "star", "bushy", "forest"):
+        for N in sizes:
+            q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, dtype, device, gen)
+            parents = random_parents(kind, B, N, gen).to(device)
+            want = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
+            for small in (True, False):
+                got = tree_gated_delta_rule(q, k, v, g, beta, parents, state, config=dict(SMALL=small))
+                for x, w, name in zip(got, want, ("o", "k_hat", "u")):
+                    check(x, w, TOL[dtype], f"{kind} of {N} nodes, {'small' if small else 'WY'} kernel: {name}")
+    with pytest.raises(ValueError, match="at most 8"):
+        tree_gated_delta_rule(*gdn_inputs(1, 9, H, HV, K, V, dtype, device, gen)[:5],
+                              ref.chain_parents(9, device=device), state[:1], config=dict(SMALL=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -299,11 +323,15 @@ def test_commit_all_layers_in_one_launch(device, kind):
              ref.commit_window_ref(l["x"], l["window"], parents, accepted)) for l in layers]
     states = [l["state"].clone() for l in layers]
     windows = [l["window"].clone() for l in layers]
-    for ancestors in (None, tree_ancestors(parents)):    # built by the kernel or given (as the cache gives it)
+    # the mask built by the kernel or given (as the cache gives it); the path's nodes in one dot over the tree or
+    # gathered 16 per dot (several chunks on the deep tree's long paths)
+    anc = tree_ancestors(parents)
+    gathered = functools.partial(commit_kernels.commit_, tile=dict(BP=16))
+    for ancestors, commit in ((None, commit_), (anc, commit_), (anc, gathered)):
         for s, w, l in zip(states, windows, layers):
             s.copy_(l["state"])
             w.copy_(l["window"])
-        commit_(parents, accepted, ancestors=ancestors,
+        commit(parents, accepted, ancestors=ancestors,
                 states=(states, *([l[name] for l in layers] for name in ("k_hat", "u", "g"))),
                 windows=([l["x"] for l in layers], windows))
         for i, (s, w, (s_want, w_want)) in enumerate(zip(states, windows, want)):

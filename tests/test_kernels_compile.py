@@ -80,6 +80,9 @@ def call_every_wrapper():
         tree_delta.tree_gated_delta_rule(z(1, n, H, K, dtype=dtype), z(1, n, H, K, dtype=dtype),
                                          z(1, n, H, V, dtype=dtype), z(1, n, H, dtype=f32), z(1, n, H, dtype=f32),
                                          parents[:, :n], state)
+    for n in (1, 4, 8):                          # the node-by-node kernel (off by default until timed)
+        tree_delta.tree_gated_delta_rule(z(1, n, H, K), z(1, n, H, K), z(1, n, H, V), z(1, n, H, dtype=f32),
+                                         z(1, n, H, dtype=f32), parents[:, :n], state, config=dict(SMALL=True))
     gate.gdn_gate_beta(z(1, N, H), z(1, N, H), z(H, dtype=f32), z(H, dtype=f32))
     gated_norm.rms_norm_gated(z(1, N, H, V), z(1, N, H, V), z(V), None, 1e-5)
     x = z(1, N, D)
@@ -89,6 +92,8 @@ def call_every_wrapper():
     commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc,
                    states=([state, state.clone()], [z(1, N, H, K, dtype=f32)] * 2, [z(1, N, H, V, dtype=f32)] * 2,
                            [z(1, N, H, dtype=f32)] * 2), windows=([x, x.clone()], [z(1, D, W), z(1, D, W)]))
+    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(BP=16),   # path gathered
+                   states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]))
     topk.row_topk(z(4, 16384), 4)
     draft_expand.expand_frontier(z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long), z(4, dtype=f32),
                                  torch.zeros(4, dtype=torch.long), z(3, 64, dtype=torch.float64),
@@ -110,9 +115,9 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     monkeypatch.setattr(pdl, "enabled", lambda device: True)     # launch as on the H200 (no GPU here)
     call_every_wrapper()
     names = {fn.__name__ for fn, _, _ in launches}
-    assert {"tree_gdn_fwd_kernel", "ancestors_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",
-            "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel", "row_topk_merge_kernel",
-            "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel"} <= names, names
+    assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
+            "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
+            "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if fn.__name__.startswith("gemv"))
     seen = set()
     for fn, bound, options in launches:

@@ -9,7 +9,8 @@ one rank-|P| update from the compact factors; the state is read once and written
 tree's ancestor mask (``tree_ancestors``, built once per tree by the verify pass); since parents precede children,
 ``Γ_m - Γ_j`` is the sum of the path's gates after ``j``: a cumulative sum, no mask to build. Each program owns one
 [BV, BK] tile of one head's state: it requests the tile first (it depends on nothing), then reads the path's gates
-and factors only, one dot, one store.
+and factors only, one dot over the tree's nodes masked to the path (or, with ``BP`` below the padded node count,
+the path's nodes gathered ``BP`` per dot), one store.
 The window part is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
 inputs of ``[old window, x along P]``. ``accepted[b] == -1`` leaves batch row ``b`` untouched in both.
 
@@ -42,9 +43,20 @@ def _path(ancestors, accepted, i_b, Nt, BN: tl.constexpr):
 
 
 @triton.jit
+def _path_update(tok, m_p, w_p, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr):
+    """``Σ_p w_p u_p k̂_pᵀ`` on a program's state tile over the nodes ``tok`` where ``m_p`` (masked rows are not
+    read)."""
+    b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_p[:, None] & (o_v < V)[None, :], other=0.)
+    b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_p[:, None] & (o_k < K)[None, :],
+                   other=0.)
+    return tl.dot(tl.trans(b_u * w_p[:, None]), b_kh, input_precision="tf32x3")
+
+
+@triton.jit
 def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                       BN: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BK - 1) // BK
     i_lbh, i_vk = pid // (NV * NK), pid % (NV * NK)
@@ -63,16 +75,28 @@ def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, a
         k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
         u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
         g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
-        tok = (i_b * Nt + tl.arange(0, BN)).to(tl.int64)
-        # only path rows are read
-        b_g = tl.load(g + tok * HV + i_hv, mask=on_path, other=0.)
-        b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=on_path[:, None] & (o_v < V)[None, :],
-                      other=0.)
-        b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :],
-                       mask=on_path[:, None] & (o_k < K)[None, :], other=0.)
+        rows = tl.arange(0, BN)
+        b_g = tl.load(g + (i_b * Nt + rows).to(tl.int64) * HV + i_hv, mask=on_path, other=0.)   # path rows only
         gam_m = tl.sum(b_g, 0)
         b_w = tl.where(on_path, tl.exp(gam_m - tl.cumsum(b_g, 0)), 0.)      # e^{Γ_m - Γ_j}: the gates after j
-        b_s = b_s * tl.exp(gam_m) + tl.dot(tl.trans(b_u * b_w[:, None]), b_kh, input_precision="tf32x3")
+        b_s = b_s * tl.exp(gam_m)
+        if BP == BN:
+            # one dot over the tree's nodes, masked to the path
+            b_s += _path_update((i_b * Nt + rows).to(tl.int64), on_path, b_w, u, k_hat, o_v, o_k, i_h, i_hv,
+                                H, HV, K, V)
+        else:
+            # the path's nodes in path order, BP per dot: the dot and its factor tiles are as deep as the path, not
+            # the tree. Chunks are unrolled and skipped past the path's end (a loop with a data-dependent trip
+            # count measured 2-4x slower, session 7).
+            pos = tl.cumsum(on_path.to(tl.int32), 0) - 1                     # a path node's position on the path
+            n_path = tl.sum(on_path.to(tl.int32), 0)
+            for c in tl.static_range(BN // BP):
+                if c * BP < n_path:
+                    slot = c * BP + tl.arange(0, BP)
+                    hit = on_path[None, :] & (pos[None, :] == slot[:, None])            # [BP, BN]
+                    tok = (i_b * Nt + tl.sum(tl.where(hit, rows[None, :], 0), 1)).to(tl.int64)
+                    b_s += _path_update(tok, slot < n_path, tl.sum(tl.where(hit, b_w[None, :], 0.), 1), u, k_hat,
+                                        o_v, o_k, i_h, i_hv, H, HV, K, V)
         tl.store(p_sk, b_s, mask=m_sk)
 
 
@@ -111,12 +135,12 @@ def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D
 def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, ancestors, accepted,
                   Nt, BHV, B, D, n_state,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr,
-                  BW: tl.constexpr, BD: tl.constexpr):
+                  BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, X_DTYPE: tl.constexpr,
+                  W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0)
     if pid < n_state:
         _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
-                           H, HV, K, V, BN, BK, BV)
+                           H, HV, K, V, BN, BP, BK, BV)
     else:
         _commit_window_block(pid - n_state, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
                              X_DTYPE, W_DTYPE, W, BW, BN, BD)
@@ -154,7 +178,8 @@ def commit_tile(n: int) -> dict[str, int]:
     benchmarks/bench_kernels.py (H200, 1.3B shape, 21 layers; session 8): [64, 128] for 17-64 nodes (66 / 84 us at
     32 / 64 nodes, against 68 / 102 at [64, 64]), [64, 64] otherwise (48 / 49 / 55 us at 1 / 4 / 16 nodes, 187 at
     128, where [64, 128] takes 386); 8 warps lost at every size. Visiting only the path's nodes, 16 per dot in a
-    loop, measured 94-406 us (session 7): the whole-tree masked dot stays."""
+    loop, measured 94-406 us (session 7): the whole-tree masked dot stays the default. A tile may set ``BP``, the
+    path nodes per dot gathered in unrolled chunks (session 10, fewer registers from 64 nodes; not yet timed)."""
     return dict(BV=64, BK=128 if 16 < n <= 64 else 64, num_warps=4)
 
 
@@ -174,6 +199,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
     if ancestors is None:
         ancestors = tree_ancestors(parents)
     tile = {**commit_tile(Nt), **(tile or {})}
+    BN = max(16, triton.next_power_of_2(Nt))
     tables, n_state, n_window = [], 0, 0
     shape = dict(H=1, HV=1, K=16, V=16, BK=16, BV=16, X_DTYPE=tl.float32, W_DTYPE=tl.float32, W=1, BW=1, BD=16)
     if states is not None:
@@ -202,5 +228,5 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         tables += tables[:2]                                  # never read: no window programs
     commit_kernel[(n_state + n_window,)](
         *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
-        BN=max(16, triton.next_power_of_2(Nt)), **shape, num_warps=tile["num_warps"],
+        BN=BN, BP=min(tile.get("BP") or BN, BN), **shape, num_warps=tile["num_warps"],
     )

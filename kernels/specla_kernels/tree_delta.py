@@ -229,14 +229,83 @@ def tree_gdn_fwd_kernel(
         tl.store(o + p_nv, b_o.to(o.dtype.element_ty), mask=m_nv)
 
 
+@triton.jit(do_not_specialize=["N"])
+def tree_gdn_small_kernel(
+    q, k, v, g, beta, ancestors, h0,       # as tree_gdn_fwd_kernel
+    o, k_hat, u,
+    scale, N, stride_qt, stride_kt, stride_vt,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BN: tl.constexpr,                      # nodes, padded to a power of two (a handful: the loop is unrolled)
+    KP: tl.constexpr,                      # K padded to a power of two: the whole key in registers
+    BV: tl.constexpr,                      # V slice owned by this program
+):
+    """The same outputs for a few nodes, node by node in fp32 without tensor cores (``tl.dot`` pads to 16 nodes):
+    ``u_i = β_i (v_i - e^{Γ_i} S₀k̂_i - Σ_{j strict ancestor} e^{Γ_i-Γ_j} (k̂_i·k̂_j) u_j)``, then ``o_i`` as above.
+    A program reads its ``[BV, K]`` slice of the state once; the programs of V slice 0 write k̂."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    rows = tl.arange(0, BN)
+    m_n = rows < N
+    tok = (i_b * N + rows).to(tl.int64)
+    o_k = tl.arange(0, KP)
+    m_nk = m_n[:, None] & (o_k < K)[None, :]
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_s = tl.load(h0 + i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :],
+                  mask=m_v[:, None] & (o_k < K)[None, :], other=0.)
+    b_k = tl.load(k + tok[:, None] * stride_kt + i_h * K + o_k[None, :], mask=m_nk, other=0.).to(tl.float32)
+    b_q = tl.load(q + tok[:, None] * stride_qt + i_h * K + o_k[None, :], mask=m_nk, other=0.).to(tl.float32)
+    b_vv = tl.load(v + tok[:, None] * stride_vt + i_hv * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
+                   other=0.).to(tl.float32)
+    anc = tl.load(ancestors + (i_b * N + rows[:, None]).to(tl.int64) * N + rows[None, :],
+                  mask=m_n[:, None] & m_n[None, :], other=0) != 0
+    b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
+    b_kh = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    b_qh = b_q * (scale / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6))[:, None]
+    if (i_v == 0) & (i_hv % (HV // H) == 0):
+        tl.store(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :], b_kh, mask=m_nk)
+    gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
+    decay = tl.where(anc, tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.)), 0.)
+    b_u = tl.zeros([BN, BV], dtype=tl.float32)
+    # parents precede children: when node i is reached, the u of its ancestors are final (the others still zero;
+    # padded nodes have zero k, v and β, so their u stays zero and their o is masked)
+    for i in tl.static_range(BN):
+        sel = rows == i
+        kh_i = tl.sum(tl.where(sel[:, None], b_kh, 0.), 0)
+        qh_i = tl.sum(tl.where(sel[:, None], b_qh, 0.), 0)
+        d_i = tl.sum(tl.where(sel[:, None], decay, 0.), 0)                    # e^{Γ_i-Γ_j} over ancestors j
+        eg_i = tl.exp(tl.sum(tl.where(sel, gam, 0.), 0))
+        w_k = tl.where(rows != i, d_i * tl.sum(b_kh * kh_i[None, :], 1), 0.)
+        r_i = tl.sum(tl.where(sel[:, None], b_vv, 0.), 0) - eg_i * tl.sum(b_s * kh_i[None, :], 1)
+        u_i = tl.sum(tl.where(sel, b_beta, 0.), 0) * (r_i - tl.sum(w_k[:, None] * b_u, 0))
+        b_u = tl.where(sel[:, None], u_i[None, :], b_u)
+        w_q = d_i * tl.sum(b_kh * qh_i[None, :], 1)
+        o_i = eg_i * tl.sum(b_s * qh_i[None, :], 1) + tl.sum(w_q[:, None] * b_u, 0)
+        p_i = ((i_b * N + i).to(tl.int64) * HV + i_hv) * V + o_v
+        m_i = m_v & (tl.full([BV], i, tl.int32) < N)     # (a vector compare: see commit._path)
+        tl.store(u + p_i, u_i, mask=m_i)
+        tl.store(o + p_i, o_i.to(o.dtype.element_ty), mask=m_i)
+
+
 # Whether Triton runs these kernels in its interpreter (TRITON_INTERPRET=1 when Triton was imported). The interpreter
 # multiplies bf16 tl.dot operands as their raw uint16 bits, so interpreted runs take the fp32 (tf32x3) branch, which
 # computes the same function.
 INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 
 
-def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
-    """Launch shape for ``n`` nodes: padded node count BN, solve block BC, K chunk BK, V slice BV and warps.
+# node counts up to which the node-by-node kernel (tree_gdn_small_kernel) runs by default: none until the H200 has
+# timed it (benchmarks/bench_kernels.py sweeps it against the WY/UT kernel up to 8 nodes) and run its GPU tests
+SMALL_MAX = 0
+
+
+def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
+    """Launch shape for ``n`` nodes. Up to ``SMALL_MAX`` nodes (or with ``small``) the node-by-node kernel: padded
+    node count BN, V slice BV and warps. Otherwise the WY/UT kernel: BN, solve block BC, K chunk BK, V slice BV, warps.
 
     Every program is a chain of dependent steps (loads, K loop, mask, solve, output), so latency, not bandwidth, sets
     the time. For bf16 inputs (how models run) the shapes are the fastest of the sweep in benchmarks/bench_kernels.py
@@ -246,6 +315,10 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict
     it frees a [BN, BN] tile, and with Triton 3.6 on Hopper forming it in the K loop beside k.k gave a wrong q.k at
     BN = 64 (bf16; not at BN <= 32).
     """
+    if small if small is not None else n <= SMALL_MAX:
+        if n > 8:
+            raise ValueError(f"the node-by-node kernel unrolls its loop over the nodes: at most 8, got {n}")
+        return dict(SMALL=True, BN=triton.next_power_of_2(n), BV=16, num_warps=4)
     BN = max(16, triton.next_power_of_2(n))
     BK = 64
     if dtype == torch.bfloat16:
@@ -253,8 +326,8 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict
         BK = 32 if BN <= 32 else 64   # session 8's sweep: 21 layers 184 -> 163 us at 1 node, 357 -> 309 at 32
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
-    return dict(BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))), num_warps=warps,
-                LATE_QK=BN >= 64)
+    return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
+                num_warps=warps, LATE_QK=BN >= 64)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +370,7 @@ def tree_gated_delta_rule(
     if HV % H:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
     scale = K ** -0.5 if scale is None else scale
-    cfg = {**tree_config(N, V, k.dtype), **(config or {})}
+    cfg = {**tree_config(N, V, k.dtype, small=(config or {}).get("SMALL")), **(config or {})}
     # q, k, v may be column slices of one conv output [B, N, D]: read in place (no copies) when each token's heads
     # are contiguous and tokens evenly spaced
     q, k, v = (_token_rows(t) for t in (q, k, v))
@@ -308,6 +381,13 @@ def tree_gated_delta_rule(
     o = v.new_empty(B, N, HV, V)
     k_hat = k.new_empty(B, N, H, K, dtype=torch.float32)
     u = v.new_empty(B, N, HV, V, dtype=torch.float32)
+    if cfg["SMALL"]:
+        tree_gdn_small_kernel[(triton.cdiv(V, cfg["BV"]), B * HV)](
+            q, k, v, g.contiguous(), beta.contiguous(), ancestors.contiguous(), initial_state.contiguous(),
+            o, k_hat, u, scale, N, _token_stride(q), _token_stride(k), _token_stride(v),
+            H=H, HV=HV, K=K, V=V, BN=cfg["BN"], KP=triton.next_power_of_2(K), BV=cfg["BV"],
+            num_warps=cfg["num_warps"])
+        return o, k_hat, u
     # one column of programs per V slice, plus one that writes k̂
     grid = (triton.cdiv(V, cfg['BV']) + 1, B * HV)
     tree_gdn_fwd_kernel[grid](
