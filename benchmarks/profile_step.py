@@ -12,8 +12,8 @@ median of many replays after warm-up):
 - ``draft_root`` / ``draft_tree9`` / ``draft_catchup4``: the inflated aligned drafter's calls, and
   ``draft_step_tree`` / ``draft_step_chain``: its whole share of a step as the loop issues it (feature fusion,
   catch-up with the root, every depth, the selection);
-and, from one eager target step and one eager verify pass of 16 and of 64 nodes under ``torch.profiler``, the
-kernels they launch (count, summed GPU time): the gap between that sum and the graph replay is launch/dependency
+and, from one eager target step, one eager verify pass of 16 and of 64 nodes and one eager 9-node drafter call under
+``torch.profiler``, the kernels they launch (count, summed GPU time): the gap between that sum and the graph replay is launch/dependency
 overhead inside the graph, the gap between the sum and the weight-bandwidth floor is kernel inefficiency; and whole
 decoding calls (AR, SpecLA tree and chain) under the profiler: wall vs GPU-busy time per step and the loop's host
 phases (Chrome traces beside the JSON). Writes ``--out/profile_step.json`` and prints a table last.
@@ -316,6 +316,11 @@ def main():
         return call
     res["draft_root"] = cuda_ms(draft_call(feats[:, :1], toks[:, :1], root))
     res["draft_tree9"] = cuda_ms(draft_call(feats9, toks9, tree))
+
+    def eager_draft9():
+        drunner._forward((feats9, toks9), dcache, tree, None, ())
+        dcache.discard()
+    res["profile_draft9"] = kernel_profile(eager_draft9)
     # the drafter's share of a step as the loop issues it, for the default tree and chain, after 4 accepted tokens:
     # the fusion of the accepted path's target features, the catch-up on those positions with the root, every
     # depth's graph and the selection
@@ -351,11 +356,12 @@ def main():
     print(json.dumps(res["profile"], indent=1))
     print(json.dumps(res["profile_verify16"], indent=1))
     print(json.dumps(res["profile_verify64"], indent=1))
+    print(json.dumps(res["profile_draft9"], indent=1))
     print("| call | ms |\n|---|---|")
     for k, v in res.items():
         if isinstance(v, float):
             print(f"| {k} | {v:.3f} |")
-    for name in ("profile", "profile_verify16", "profile_verify64"):
+    for name in ("profile", "profile_verify16", "profile_verify64", "profile_draft9"):
         p = res[name]
         print(f"| {name}: eager kernels | {p['kernels']} (summed GPU time {p['gpu_ms']:.3f} ms) |")
     for name in ("loop_ar", "loop_tree", "loop_tree_default", "loop_chain_default"):

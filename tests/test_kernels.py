@@ -36,7 +36,11 @@ SHAPES = {"cpu": [(2, 1, 2, 20, 24), (1, 2, 2, 24, 40)], "cuda": [(2, 3, 6, 256,
 # node counts per topology
 SIZES = {"cpu": dict(chain=19, star=7, deep=100, bushy=45, single=1, forest=23),
          "cuda": dict(chain=64, star=16, deep=128, bushy=100, single=1, forest=37)}
-TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# the model dtypes of the tree kernels' inputs (state and factors stay fp32); the GEMV and norm kernels serve the
+# fp32 / bf16 models the decoding loop runs
+MODEL_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                                       ids=["fp32", "bf16", "fp16"])
 
 
 def seeded(*key) -> torch.Generator:
@@ -119,10 +123,10 @@ def gdn_inputs(B, N, H, HV, K, V, dtype, device, gen):
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["chain", "star", "deep", "bushy", "single", "forest"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@MODEL_DTYPES
 def test_tree_delta_matches_reference(device, kind, dtype):
     gen = seeded(kind, dtype)
-    B, H, HV, K, V = SHAPES[device][dtype == torch.bfloat16]
+    B, H, HV, K, V = SHAPES[device][dtype != torch.float32]
     N = SIZES[device][kind]
     q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, dtype, device, gen)
     parents = random_parents(kind, B, N, gen).to(device)
@@ -143,12 +147,12 @@ def test_tree_delta_matches_reference(device, kind, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@MODEL_DTYPES
 def test_small_trees_both_kernels_match_reference(device, dtype):
     """Up to 8 nodes both kernels can run (the node-by-node one by default up to ``SMALL_MAX``): each equals the
     reference on chains, stars, random trees and forests of every size, with grouped value heads on the GPU."""
     gen = seeded("small", dtype)
-    B, H, HV, K, V = SHAPES[device][dtype == torch.bfloat16]
+    B, H, HV, K, V = SHAPES[device][dtype != torch.float32]
     sizes = range(1, 9) if device == "cuda" else (1, 3, 4, 6)
     for kind in ("chain", "star", "bushy", "forest"):
         for N in sizes:
@@ -349,7 +353,7 @@ CONV = {"cpu": [(2, 40, 4), (3, 24, 3)], "cuda": [(1, 1536, 4), (2, 3072, 4)]}  
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["chain", "deep", "bushy", "single", "forest"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@MODEL_DTYPES
 def test_tree_conv_matches_reference(device, kind, dtype):
     gen = seeded(kind, dtype, 'conv')
     for B, D, W in CONV[device]:
@@ -389,7 +393,7 @@ def test_tree_conv_on_chain_equals_sequence_conv(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["chain", "deep", "bushy", "single", "forest"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@MODEL_DTYPES
 def test_commit_window_matches_reference(device, kind, dtype):
     gen = seeded(kind, dtype, 'window')
     for _, D, W in CONV[device]:
