@@ -13,10 +13,11 @@ median of many replays after warm-up):
   ``draft_step_tree`` / ``draft_step_chain``: its whole share of a step as the loop issues it (feature fusion,
   catch-up with the root, every depth, the selection);
 and, from one eager target step, one eager verify pass of 16 and of 64 nodes and one eager 9-node drafter call under
-``torch.profiler``, the kernels they launch (count, summed GPU time): the gap between that sum and the graph replay is launch/dependency
-overhead inside the graph, the gap between the sum and the weight-bandwidth floor is kernel inefficiency; and whole
-decoding calls (AR, SpecLA tree and chain) under the profiler: wall vs GPU-busy time per step and the loop's host
-phases (Chrome traces beside the JSON). Writes ``--out/profile_step.json`` and prints a table last.
+``torch.profiler``, the kernels they launch (count, summed GPU time): the gap between that sum and the graph replay
+is launch/dependency overhead inside the graph, the gap between the sum and the weight-bandwidth floor is kernel
+inefficiency; and whole decoding calls (AR, SpecLA tree and chain) under the profiler: wall vs GPU-busy time per
+step and the loop's host phases (Chrome traces beside the JSON). Writes ``--out/profile_step.json`` and prints a
+table last.
 
     source .device/prelude.sh && export PYTHONPATH=$PWD/kernels:$PYTHONPATH && \
         python benchmarks/profile_step.py --out $OUT/profile

@@ -336,8 +336,8 @@ def test_commit_all_layers_in_one_launch(device, kind):
             s.copy_(l["state"])
             w.copy_(l["window"])
         commit(parents, accepted, ancestors=ancestors,
-                states=(states, *([l[name] for l in layers] for name in ("k_hat", "u", "g"))),
-                windows=([l["x"] for l in layers], windows))
+               states=(states, *([l[name] for l in layers] for name in ("k_hat", "u", "g"))),
+               windows=([l["x"] for l in layers], windows))
         for i, (s, w, (s_want, w_want)) in enumerate(zip(states, windows, want)):
             check(s, s_want, 1e-3, f"state of layer {i}")
             assert torch.equal(w, w_want), f"window of layer {i}"

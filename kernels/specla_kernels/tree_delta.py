@@ -381,19 +381,18 @@ def tree_gated_delta_rule(
     o = v.new_empty(B, N, HV, V)
     k_hat = k.new_empty(B, N, H, K, dtype=torch.float32)
     u = v.new_empty(B, N, HV, V, dtype=torch.float32)
+    tensors = (q, k, v, g.contiguous(), beta.contiguous(), ancestors.contiguous(), initial_state.contiguous(),
+               o, k_hat, u)
+    strides = (_token_stride(q), _token_stride(k), _token_stride(v))
     if cfg["SMALL"]:
         tree_gdn_small_kernel[(triton.cdiv(V, cfg["BV"]), B * HV)](
-            q, k, v, g.contiguous(), beta.contiguous(), ancestors.contiguous(), initial_state.contiguous(),
-            o, k_hat, u, scale, N, _token_stride(q), _token_stride(k), _token_stride(v),
-            H=H, HV=HV, K=K, V=V, BN=cfg["BN"], KP=triton.next_power_of_2(K), BV=cfg["BV"],
-            num_warps=cfg["num_warps"])
+            *tensors, scale, N, *strides, H=H, HV=HV, K=K, V=V, BN=cfg["BN"], KP=triton.next_power_of_2(K),
+            BV=cfg["BV"], num_warps=cfg["num_warps"])
         return o, k_hat, u
     # one column of programs per V slice, plus one that writes k̂
     grid = (triton.cdiv(V, cfg['BV']) + 1, B * HV)
     tree_gdn_fwd_kernel[grid](
-        q, k, v, g.contiguous(), beta.contiguous(), ancestors.contiguous(), initial_state.contiguous(),
-        o, k_hat, u,
-        scale, N, (min(N, cfg['BC']) - 1).bit_length(), _token_stride(q), _token_stride(k), _token_stride(v),
+        *tensors, scale, N, (min(N, cfg['BC']) - 1).bit_length(), *strides,
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
         BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
         OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], num_warps=cfg['num_warps'],
