@@ -174,13 +174,13 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
 
 
 def commit_tile(n: int) -> dict[str, int]:
-    """A program's ``[BV, BK]`` state tile and warps for a tree of ``n`` nodes: the fastest of the sweep in
-    benchmarks/bench_kernels.py (H200, 1.3B shape, 21 layers; session 8): [64, 128] for 17-64 nodes (66 / 84 us at
-    32 / 64 nodes, against 68 / 102 at [64, 64]), [64, 64] otherwise (48 / 49 / 55 us at 1 / 4 / 16 nodes, 187 at
-    128, where [64, 128] takes 386); 8 warps lost at every size. Visiting only the path's nodes, 16 per dot in a
-    loop, measured 94-406 us (session 7): the whole-tree masked dot stays the default. A tile may set ``BP``, the
-    path nodes per dot gathered in unrolled chunks (session 10, fewer registers from 64 nodes; not yet timed)."""
-    return dict(BV=64, BK=128 if 16 < n <= 64 else 64, num_warps=4)
+    """A program's ``[BV, BK]`` state tile, path nodes per dot ``BP`` and warps for a tree of ``n`` nodes: the fastest
+    of the sweep in benchmarks/bench_kernels.py (H200, 1.3B shape, 21 layers). [64, 128] for 17-64 nodes (67 / 96 us
+    at 32 / 64 nodes, against 69 / 108 at [64, 64]), [64, 64] otherwise (49 / 49 / 57 us at 1 / 4 / 16 nodes; 187 at
+    128, where [64, 128] took 386; session 8). At 33-64 nodes the path's nodes are gathered 32 per dot: 96 -> 80 us at
+    64 nodes (session 11; the whole-tree dot holds every node's factor tiles: 255 registers and spills). 8 warps lost at
+    every size. A loop over the path with a data-dependent trip count measured 94-406 us (session 7)."""
+    return dict(BV=64, BK=128 if 16 < n <= 64 else 64, BP=32 if n <= 64 else 128, num_warps=4)   # 128: not timed
 
 
 def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,

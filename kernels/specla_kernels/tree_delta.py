@@ -298,9 +298,10 @@ def tree_gdn_small_kernel(
 INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 
 
-# node counts up to which the node-by-node kernel (tree_gdn_small_kernel) runs by default: none until the H200 has
-# timed it (benchmarks/bench_kernels.py sweeps it against the WY/UT kernel up to 8 nodes) and run its GPU tests
-SMALL_MAX = 0
+# node counts up to which the node-by-node kernel (tree_gdn_small_kernel) runs by default: the H200 sweep of session 11
+# (bench_kernels.py --nodes 1,2,4,8; 21 layers, bf16): 85 / 95 / 153 us at 1 / 2 / 4 nodes against the WY/UT kernel's
+# 166 / 179 / 193 and fla's chain 87 / 113 / 164; at 8 nodes the WY/UT kernel wins (15 vs 27 us a layer)
+SMALL_MAX = 4
 
 
 def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
@@ -318,7 +319,9 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
     if small if small is not None else n <= SMALL_MAX:
         if n > 8:
             raise ValueError(f"the node-by-node kernel unrolls its loop over the nodes: at most 8, got {n}")
-        return dict(SMALL=True, BN=triton.next_power_of_2(n), BV=16, num_warps=4)
+        # one warp on an 8-wide V slice: the fastest of the sweep at every node count (more programs, each a short
+        # chain; 16-32 wide slices or more warps took 1.1-2.5x as long)
+        return dict(SMALL=True, BN=triton.next_power_of_2(n), BV=8, num_warps=1)
     BN = max(16, triton.next_power_of_2(n))
     BK = 64
     if dtype == torch.bfloat16:
