@@ -5,7 +5,7 @@ median of many replays after warm-up):
 - ``ar_step``: the target consuming one token (our autoregressive step); ``prompt_pass_128``: a 128-token prompt
   consumed as graphed chains, and ``prompt_pass_128_eager`` through fla's chunked kernels;
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
-- ``pdl_ab`` (``--ab pdl``): ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_16/32`` and
+- ``pdl_ab`` (``--ab pdl``): ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_4/16/32`` and
   ``draft_tree9`` from runners captured under each setting (programmatic dependent launch on and off), in rotating
   order (``--ab-only``: only these and the prompt passes, a short run);
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
@@ -39,7 +39,7 @@ from specla_hf.cuda_graphs import copy_in
 from specla_hf.eagle import _BlockRunner
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
-from specla_kernels import gemv, pdl
+from specla_kernels import gemv, pdl, tree_delta
 
 
 def cuda_ms(fn, reps: int = 50, warmup: int = 5) -> float:
@@ -153,10 +153,11 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
     """Launch settings side by side (``settings``: name -> a function that applies it; each module global they
     change is read when a kernel is launched or captured): runners built and captured under each setting (own graphs
     and caches), then timed on the same inputs in rounds whose order rotates (medians), so that drift and order fall
-    on all: the target's step, 32 greedy steps back to back (``ar_loop32``), verify passes of 16 and 32 nodes and
+    on all: the target's step, 32 greedy steps back to back (``ar_loop32``), verify passes of 4, 16 and 32 nodes and
     the drafter's pass over a 9-node tree. Run before anything starts the profiler (its
     callbacks stay and slow later launches)."""
-    trees = {n: (torch.randint(0, big.config.vocab_size, (1, n), generator=gen), random_tree(n, gen)) for n in (16, 32)}
+    trees = {n: (torch.randint(0, big.config.vocab_size, (1, n), generator=gen), random_tree(n, gen))
+             for n in (4, 16, 32)}
     H, dev = drafter.config.hidden_size, big.device
     feats9 = torch.randn(1, 9, H, generator=gen).to(dev, big.dtype)
     toks9 = torch.randint(0, big.config.vocab_size, (1, 9), generator=gen).to(dev)
@@ -196,8 +197,9 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 
 def _setting(**values):
-    """A function that sets ``pdl.USE_PDL``, ``gemv.SPLIT_MAX_ROWS`` and ``gemv.SPLIT_COLS`` (keys ``pdl``,
-    ``split_rows``, ``split_cols``) to the values given and the others to their defaults. (Also compared here and
+    """A function that sets ``pdl.USE_PDL``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS`` and ``tree_delta.SMALL_MAX``
+    (keys ``pdl``, ``split_rows``, ``split_cols``, ``small_max``) to the values given and the others to their
+    defaults. (Also compared here and
     removed: in session 7 an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 /
     1.325 ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; in session 9
     PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head suggested:
@@ -206,15 +208,20 @@ def _setting(**values):
         pdl.USE_PDL = values.get("pdl", True)
         gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
         gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
+        tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
     return apply
 
 
 _GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
+_SMALL_MAX = tree_delta.SMALL_MAX
 DEFAULTS = _setting()
 AB = {  # name -> its settings; a setting repeated last shows what the build order alone does
     "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False), "on again": _setting(pdl=True)},
     "split": {"default": _setting(), "session 8 (<= 4096 rows, 512 columns)": _setting(split_rows=4096,
               split_cols=512), "none": _setting(split_rows=0), "default again": _setting()},
+    # the node-by-node tree verify inside the model: session 11's verify_4 took 1.81 ms against verify_8's 1.71 (the
+    # WY/UT kernel's 4-node pass had been 2-3% under its 8-node one), though the kernel alone wins at 4 nodes
+    "small": {"default": _setting(), "no node-by-node kernel": _setting(small_max=0), "default again": _setting()},
 }
 
 
@@ -235,6 +242,9 @@ def main():
     res = {"params": sum(p.numel() for p in big.parameters()), "weight_bytes": weight_bytes,
            "drafter_params": sum(p.numel() for p in drafter.parameters())}
 
+    def save() -> None:                 # after each part, so that a run cut short keeps what it measured
+        (args.out / "profile_step.json").write_text(json.dumps(res, indent=1))
+
     runner = GDNRunner.for_model(big)
     cache = runner.new_cache(1)
     gen = torch.Generator().manual_seed(0)
@@ -253,8 +263,8 @@ def main():
         print(f"| {what} | " + " | ".join(next(iter(ab.values()))) + " |")
         for k, v in ab.items():
             print(f"| {k} | " + " | ".join(f"{t:.3f}" for t in v.values()) + " |")
+    save()
     if args.ab_only:
-        (args.out / "profile_step.json").write_text(json.dumps(res, indent=1))
         return
     res["ar_step"] = cuda_ms(lambda: runner.forward(token, cache))
     res["ar_step_host_us"] = host_us(lambda: runner.forward(token, cache))
@@ -268,6 +278,7 @@ def main():
             runner._forward(ids, cache, tree, None, (1, 2, 21))
             cache.discard()
         res[f"profile_verify{n}"] = kernel_profile(eager_verify)
+    save()
 
     for n in (4, 8, 16, 25, 32, 64):
         # host tensors, as the decoding loop passes them (padded to the bucket and copied in by the runner)
@@ -297,6 +308,7 @@ def main():
         b.synchronize()
         commits.append(a.elapsed_time(b))
     res["commit"] = statistics.median(commits[5:])
+    save()
 
     drunner = _BlockRunner.for_drafter(drafter, big)
     dcache = drunner.new_cache(1)
@@ -322,6 +334,7 @@ def main():
         drunner._forward((feats9, toks9), dcache, tree, None, ())
         dcache.discard()
     res["profile_draft9"] = kernel_profile(eager_draft9)
+    save()
     # the drafter's share of a step as the loop issues it, for the default tree and chain, after 4 accepted tokens:
     # the fusion of the accepted path's target features, the catch-up on those positions with the root, every
     # depth's graph and the selection
@@ -352,8 +365,7 @@ def main():
         res[name] = loop_profile(lambda: big.generate(prompt, **gen_kw), args.out / f"trace_{name[5:]}.json")
         stats = big.specla_stats
         res[name].update(steps=stats.steps, tau=stats.tau, nodes_per_step=statistics.mean(stats.draft_nodes))
-
-    (args.out / "profile_step.json").write_text(json.dumps(res, indent=1))
+        save()
     print(json.dumps(res["profile"], indent=1))
     print(json.dumps(res["profile_verify16"], indent=1))
     print(json.dumps(res["profile_verify64"], indent=1))
