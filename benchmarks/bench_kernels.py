@@ -39,10 +39,13 @@ CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share 
 NODES = (1, 4, 16, 32, 64, 128)
 # launch shapes of the WY/UT kernel tried beside tree_config's default, per padded node count BN
 # (BK = 32 and 8 warps: the shapes with few register spills, benchmarks/kernel_resources.py)
-SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=64), dict(BK=16)],
-         32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64), dict(BK=64), dict(BV=64, num_warps=8)],
+SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=64), dict(BK=16),
+              dict(num_stages=2), dict(num_stages=4)],
+         32: [dict(BV=16), dict(num_warps=2), dict(num_warps=8), dict(BV=64), dict(BK=64), dict(BV=64, num_warps=8),
+              dict(num_stages=2), dict(num_stages=4), dict(num_warps=2, num_stages=4)],
          64: [dict(num_warps=8), dict(BV=16), dict(BV=64), dict(BV=16, num_warps=8), dict(BK=32),
-              dict(BK=32, num_warps=8), dict(BK=32, BV=16), dict(BV=64, num_warps=8), dict(BK=16, num_warps=8)],
+              dict(BK=32, num_warps=8), dict(BK=32, BV=16), dict(BV=64, num_warps=8), dict(BK=16, num_warps=8),
+              dict(num_stages=2), dict(num_stages=4), dict(BK=32, num_stages=4)],
          128: [dict(BC=32), dict(num_warps=4), dict(num_warps=16), dict(BV=16), dict(BV=64), dict(BK=32),
                dict(BK=16, BV=16)]}
 # up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
@@ -51,7 +54,10 @@ SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w) for bv, w in ((8, 1), (8, 2)
 COMMIT_SWEEP = [dict(BV=bv, BK=bk, num_warps=w) for bv, bk, w in ((64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 4),
                                                                   (64, 256, 4), (64, 64, 8), (128, 64, 8),
                                                                   (64, 128, 8))] + [
-    dict(BV=64, BK=bk, BP=32, num_warps=4) for bk in (64, 128)]         # path chunks of 32 nodes (16 by default)
+    dict(BV=64, BK=bk, BP=32, num_warps=4) for bk in (64, 128)] + [  # path chunks of 32 nodes
+    # the factors requested with the state tile (EAGER, one dot over the padded tree), the window blocks first (WF)
+    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, WF=1, num_warps=4),
+    dict(BV=64, BK=64, BP=128, EAGER=1, WF=1, num_warps=4), dict(BV=64, BK=128, WF=1, num_warps=4)]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 

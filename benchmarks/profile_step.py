@@ -197,15 +197,16 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 
 def _setting(**values):
-    """A function that sets ``pdl.USE_PDL``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS`` and ``tree_delta.SMALL_MAX``
-    (keys ``pdl``, ``split_rows``, ``split_cols``, ``small_max``) to the values given and the others to their
-    defaults. (Also compared here and
+    """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS`` and
+    ``tree_delta.SMALL_MAX`` (keys ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``small_max``) to the
+    values given and the others to their defaults. (Also compared here and
     removed: in session 7 an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 /
     1.325 ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; in session 9
     PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head suggested:
     1.175 vs 1.136 ms.)"""
     def apply():
         pdl.USE_PDL = values.get("pdl", True)
+        pdl.SMALL_KERNELS = values.get("pdl_small", _PDL_SMALL)
         gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
         gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
         tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
@@ -214,6 +215,7 @@ def _setting(**values):
 
 _GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
 _SMALL_MAX = tree_delta.SMALL_MAX
+_PDL_SMALL = pdl.SMALL_KERNELS
 DEFAULTS = _setting()
 AB = {  # name -> its settings; a setting repeated last shows what the build order alone does
     "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False), "on again": _setting(pdl=True)},
@@ -222,6 +224,9 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
     # the node-by-node tree verify inside the model: session 11's verify_4 took 1.81 ms against verify_8's 1.71 (the
     # WY/UT kernel's 4-node pass had been 2-3% under its 8-node one), though the kernel alone wins at 4 nodes
     "small": {"default": _setting(), "no node-by-node kernel": _setting(small_max=0), "default again": _setting()},
+    # the verify pass's small kernels (tree conv, gates, tree verify, gated norm) launched with PDL (session 11)
+    "pdl_small": {"default": _setting(), "small kernels with PDL": _setting(pdl_small=True),
+                  "default again": _setting()},
 }
 
 

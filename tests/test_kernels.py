@@ -328,10 +328,12 @@ def test_commit_all_layers_in_one_launch(device, kind):
     states = [l["state"].clone() for l in layers]
     windows = [l["window"].clone() for l in layers]
     # the mask built by the kernel or given (as the cache gives it); the path's nodes in one dot over the tree or
-    # gathered 16 per dot (several chunks on the deep tree's long paths)
+    # gathered 16 per dot (several chunks on the deep tree's long paths); every node's factors loaded before the path
+    # is known, with the window blocks first in the grid
     anc = tree_ancestors(parents)
     gathered = functools.partial(commit_kernels.commit_, tile=dict(BP=16))
-    for ancestors, commit in ((None, commit_), (anc, commit_), (anc, gathered)):
+    eager = functools.partial(commit_kernels.commit_, tile=dict(BP=128, EAGER=1, WF=1))
+    for ancestors, commit in ((None, commit_), (anc, commit_), (anc, gathered), (anc, eager)):
         for s, w, l in zip(states, windows, layers):
             s.copy_(l["state"])
             w.copy_(l["window"])
@@ -604,6 +606,50 @@ def test_expand_frontier_matches_reference(device):
             outs.append(args[4:])
         for got, want in zip(*outs):
             assert torch.equal(got.cpu(), want.cpu()), (F, K)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper GPU")
+@pytest.mark.parametrize("N", [3, 37])
+def test_small_kernels_with_pdl_equal_without(N, monkeypatch):
+    """A verify pass's layer (a cuBLAS projection, then tree conv, gates, tree verify, gated norm) replayed from CUDA
+    graphs gives the same bits with the small kernels launched with PDL (``pdl.SMALL_KERNELS``) as without: their
+    waits cover every input the kernel before them writes."""
+    from specla_kernels import pdl
+    from specla_kernels.gated_norm import rms_norm_gated
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    H, K, V, W, hid = 6, 256, 512, 4, 1024
+    D = 2 * H * K + H * V
+    r = lambda *shape: torch.randn(*shape, device="cuda", generator=gen)  # noqa: E731
+    h, proj = r(1, N, hid).bfloat16(), (r(D + 2 * H + H * V, hid) * hid ** -0.5).bfloat16()
+    conv_w, window, state = r(D, W) * 0.5, r(1, D, W).bfloat16(), r(1, H, V, K) * 0.1
+    A_log, dt_bias, norm_w = r(H), r(H), r(V)
+    parents = random_parents("bushy", 1, N, torch.Generator().manual_seed(N)).cuda()
+
+    def layer():
+        p = torch.nn.functional.linear(h, proj)
+        x, a, b, gate = p.split([D, H, H, H * V], -1)
+        y = tree_conv(x, conv_w, None, window, parents, x_out=torch.empty(1, N, D, dtype=x.dtype, device="cuda"))
+        g, beta = gdn_gate_beta(a, b, A_log, dt_bias)
+        q, k, v = y.split([H * K, H * K, H * V], -1)
+        o, k_hat, u = tree_gated_delta_rule(q.view(1, N, H, K), k.view(1, N, H, K), v.view(1, N, H, V), g, beta,
+                                            parents, state)
+        return rms_norm_gated(o, gate.view(1, N, H, V), norm_w, None, 1e-5), k_hat, u
+
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "SMALL_KERNELS", on)
+        layer()                                                  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = layer()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        outs.append([t.clone() for t in result])
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
 
 
 # ----------------------------------------------------------------------------------------------------------------

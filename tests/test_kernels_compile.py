@@ -80,7 +80,7 @@ def call_every_wrapper():
         tree_delta.tree_gated_delta_rule(z(1, n, H, K, dtype=dtype), z(1, n, H, K, dtype=dtype),
                                          z(1, n, H, V, dtype=dtype), z(1, n, H, dtype=f32), z(1, n, H, dtype=f32),
                                          parents[:, :n], state)
-    for n in (1, 4, 8):                          # the node-by-node kernel (off by default until timed)
+    for n in (1, 4, 8):                          # the node-by-node kernel (the default up to 4 nodes)
         tree_delta.tree_gated_delta_rule(z(1, n, H, K), z(1, n, H, K), z(1, n, H, V), z(1, n, H, dtype=f32),
                                          z(1, n, H, dtype=f32), parents[:, :n], state, config=dict(SMALL=True))
     gate.gdn_gate_beta(z(1, N, H), z(1, N, H), z(H, dtype=f32), z(H, dtype=f32))
@@ -94,6 +94,9 @@ def call_every_wrapper():
                            [z(1, N, H, dtype=f32)] * 2), windows=([x, x.clone()], [z(1, D, W), z(1, D, W)]))
     commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(BP=16),   # path gathered
                    states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]))
+    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(BP=N, EAGER=1, WF=1),
+                   states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]),
+                   windows=([x], [z(1, D, W)]))
     topk.row_topk(z(4, 16384), 4)
     draft_expand.expand_frontier(z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long), z(4, dtype=f32),
                                  torch.zeros(4, dtype=torch.long), z(3, 64, dtype=torch.float64),
@@ -114,11 +117,16 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     from specla_kernels import pdl
     monkeypatch.setattr(pdl, "enabled", lambda device: True)     # launch as on the H200 (no GPU here)
     call_every_wrapper()
+    monkeypatch.setattr(pdl, "SMALL_KERNELS", True)              # and the verify pass's small kernels with PDL
+    call_every_wrapper()
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
             "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if fn.__name__.startswith("gemv"))
+    small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",
+             "tree_conv_kernel"}
+    assert {fn.__name__ for fn, _, options in launches if options.get("launch_pdl")} >= small
     seen = set()
     for fn, bound, options in launches:
         key = (fn.__name__, repr(sorted((k, v if not isinstance(v, torch.Tensor) else v.dtype)

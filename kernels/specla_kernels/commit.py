@@ -43,20 +43,29 @@ def _path(ancestors, accepted, i_b, Nt, BN: tl.constexpr):
 
 
 @triton.jit
-def _path_update(tok, m_p, w_p, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr):
-    """``Σ_p w_p u_p k̂_pᵀ`` on a program's state tile over the nodes ``tok`` where ``m_p`` (masked rows are not
-    read)."""
+def _factors(tok, m_p, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+             V: tl.constexpr):
+    """The ``u`` and ``k̂`` tiles of the nodes ``tok`` where ``m_p`` (masked rows are not read) for a program's state
+    tile."""
     b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_p[:, None] & (o_v < V)[None, :], other=0.)
     b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_p[:, None] & (o_k < K)[None, :],
                    other=0.)
+    return b_u, b_kh
+
+
+@triton.jit
+def _path_update(tok, m_p, w_p, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr):
+    """``Σ_p w_p u_p k̂_pᵀ`` on a program's state tile over the nodes ``tok`` where ``m_p``."""
+    b_u, b_kh = _factors(tok, m_p, u, k_hat, o_v, o_k, i_h, i_hv, H, HV, K, V)
     return tl.dot(tl.trans(b_u * w_p[:, None]), b_kh, input_precision="tf32x3")
 
 
 @triton.jit
 def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BN: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                       BN: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       EAGER: tl.constexpr):
     NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BK - 1) // BK
     i_lbh, i_vk = pid // (NV * NK), pid % (NV * NK)
@@ -70,17 +79,23 @@ def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, a
     m_sk = (o_v < V)[:, None] & (o_k < K)[None, :]
     p_sk = state + i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
     b_s = tl.load(p_sk, mask=m_sk, other=0.)
+    rows = tl.arange(0, BN)
+    k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
+    u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
+    if EAGER:
+        # every node's factors, requested beside the state tile rather than after the path is known (they are the
+        # verify pass's outputs, in L2): one dependent round trip fewer, the path masks the weights instead
+        b_u, b_kh = _factors((i_b * Nt + rows).to(tl.int64), rows < Nt, u, k_hat, o_v, o_k, i_h, i_hv, H, HV, K, V)
     m, on_path = _path(ancestors, accepted, i_b, Nt, BN)
     if m >= 0:
-        k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
-        u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
         g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
-        rows = tl.arange(0, BN)
         b_g = tl.load(g + (i_b * Nt + rows).to(tl.int64) * HV + i_hv, mask=on_path, other=0.)   # path rows only
         gam_m = tl.sum(b_g, 0)
         b_w = tl.where(on_path, tl.exp(gam_m - tl.cumsum(b_g, 0)), 0.)      # e^{Γ_m - Γ_j}: the gates after j
         b_s = b_s * tl.exp(gam_m)
-        if BP == BN:
+        if EAGER:
+            b_s += tl.dot(tl.trans(b_u * b_w[:, None]), b_kh, input_precision="tf32x3")
+        elif BP == BN:
             # one dot over the tree's nodes, masked to the path
             b_s += _path_update((i_b * Nt + rows).to(tl.int64), on_path, b_w, u, k_hat, o_v, o_k, i_h, i_hv,
                                 H, HV, K, V)
@@ -135,14 +150,22 @@ def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D
 def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, ancestors, accepted,
                   Nt, BHV, B, D, n_state,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
-                  BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, X_DTYPE: tl.constexpr,
-                  W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
+                  BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EAGER: tl.constexpr,
+                  WINDOWS_FIRST: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr,
+                  BW: tl.constexpr, BD: tl.constexpr):
+    # the grid holds the state tiles and the (short) window blocks; WINDOWS_FIRST puts the window blocks in the first
+    # wave rather than a tail after the last state tiles
     pid = tl.program_id(0)
-    if pid < n_state:
-        _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
-                           H, HV, K, V, BN, BP, BK, BV)
+    n_window = tl.num_programs(0) - n_state
+    if WINDOWS_FIRST:
+        i_state, i_window = pid - n_window, pid
     else:
-        _commit_window_block(pid - n_state, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
+        i_state, i_window = pid, pid - n_state
+    if (i_state >= 0) & (i_state < n_state):
+        _commit_state_tile(i_state, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
+                           H, HV, K, V, BN, BP, BK, BV, EAGER)
+    else:
+        _commit_window_block(i_window, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
                              X_DTYPE, W_DTYPE, W, BW, BN, BD)
 
 
@@ -179,7 +202,11 @@ def commit_tile(n: int) -> dict[str, int]:
     at 32 / 64 nodes, against 69 / 108 at [64, 64]), [64, 64] otherwise (49 / 49 / 57 us at 1 / 4 / 16 nodes; 187 at
     128, where [64, 128] took 386; session 8). At 33-64 nodes the path's nodes are gathered 32 per dot: 96 -> 80 us at
     64 nodes (session 11; the whole-tree dot holds every node's factor tiles: 255 registers and spills). 8 warps lost at
-    every size. A loop over the path with a data-dependent trip count measured 94-406 us (session 7)."""
+    every size. A loop over the path with a data-dependent trip count measured 94-406 us (session 7).
+    Two options, written in session 11 and not yet timed (off): ``EAGER`` (with ``BP`` = the padded tree) requests
+    every node's factors beside the state tile instead of after the path is known, and ``WF`` puts the window blocks
+    first in the grid instead of in a tail after the state tiles. (EAGER reads off-path nodes' factors too, weighted
+    0: they must be finite, as the verify pass's outputs are.)"""
     return dict(BV=64, BK=128 if 16 < n <= 64 else 64, BP=32 if n <= 64 else 128, num_warps=4)   # 128: not timed
 
 
@@ -228,5 +255,6 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         tables += tables[:2]                                  # never read: no window programs
     commit_kernel[(n_state + n_window,)](
         *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
-        BN=BN, BP=min(tile.get("BP") or BN, BN), **shape, num_warps=tile["num_warps"],
+        BN=BN, BP=min(tile.get("BP") or BN, BN), EAGER=bool(tile.get("EAGER")) and (tile.get("BP") or BN) >= BN,
+        WINDOWS_FIRST=bool(tile.get("WF")), **shape, num_warps=tile["num_warps"],
     )

@@ -11,19 +11,27 @@ import torch
 import triton
 import triton.language as tl
 
+from specla_kernels import pdl
+
 
 @triton.jit
 def gate_beta_kernel(a, b, A_log, dt_bias, g, beta, stride_a, stride_b,
-                     HV: tl.constexpr, BHV: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_SCALE: tl.constexpr):
+                     HV: tl.constexpr, BHV: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_SCALE: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.allow_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BHV)
     m = o < HV
+    b_A = tl.load(A_log + o, mask=m, other=0.).to(tl.float32)           # weights: before the wait (pdl.py)
+    if HAS_DT_BIAS:
+        b_dt = tl.load(dt_bias + o, mask=m, other=0.).to(tl.float32)
+    pdl.wait_for_inputs(PDL)
     x = tl.load(a + row * stride_a + o, mask=m, other=0.).to(tl.float32)
     if HAS_DT_BIAS:
-        x += tl.load(dt_bias + o, mask=m, other=0.).to(tl.float32)
+        x += b_dt
     # softplus as torch computes it: x above 20, log(1 + e^x) below (written stably for very negative x)
     softplus = tl.where(x > 20., x, tl.maximum(x, 0.) + tl.log(1. + tl.exp(-tl.abs(x))))
-    decay = -tl.exp(tl.load(A_log + o, mask=m, other=0.).to(tl.float32)) * softplus
+    decay = -tl.exp(b_A) * softplus
     strength = tl.sigmoid(tl.load(b + row * stride_b + o, mask=m, other=0.).to(tl.float32)) * BETA_SCALE
     tl.store(g + row * HV + o, decay, mask=m)
     tl.store(beta + row * HV + o, strength, mask=m)
@@ -45,7 +53,8 @@ def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias
     b, stride_b = _rows(b)
     g = torch.empty(B, T, HV, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
+    on = pdl.small_enabled(a.device)
     gate_beta_kernel[(B * T,)](a, b, A_log, dt_bias if dt_bias is not None else A_log, g, beta, stride_a, stride_b,
                                HV=HV, BHV=triton.next_power_of_2(HV), HAS_DT_BIAS=dt_bias is not None,
-                               BETA_SCALE=2.0 if allow_neg_eigval else 1.0, num_warps=1)
+                               BETA_SCALE=2.0 if allow_neg_eigval else 1.0, PDL=on, num_warps=1, launch_pdl=on)
     return g, beta

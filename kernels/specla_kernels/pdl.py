@@ -12,7 +12,11 @@ greedy steps 1.205 -> 1.142 ms per token with PDL. For the verify pass's and the
 gate, tree delta rule, gated norm, commit, top-k, expansion) session 5 measured a 32-node verify 12% and a drafter
 pass 68% slower with PDL, but with PDL always timed first; session 6's run of that harness showed a 35% gap on the
 drafter pass between two setups that differ in nothing it launches. So that verdict is not established; the small
-kernels launch normally until an alternating A/B says otherwise.
+kernels launch normally until an alternating A/B says otherwise: ``SMALL_KERNELS`` launches the tree conv, gates,
+tree verify and gated norm with PDL (session 11, for ``profile_step.py --ab pdl_small``). Before their wait they read
+only weights and what the pass found already committed (the state, the conv window, the ancestor mask): in a verify
+or drafter pass a cuBLAS GEMM, launched normally, precedes each layer's run of these kernels, so everything before
+it has finished.
 """
 from __future__ import annotations
 
@@ -22,11 +26,17 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 USE_PDL = True     # read when a kernel is launched or captured: profile_step and bench_gemv turn it off for A/Bs
+SMALL_KERNELS = False   # the verify pass's small kernels too (read likewise; not yet timed, off)
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use PDL (never under the interpreter: tensors are on the CPU)."""
     return USE_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def small_enabled(device: torch.device) -> bool:
+    """Whether the verify pass's small kernels (``SMALL_KERNELS``) launched on ``device`` use PDL."""
+    return SMALL_KERNELS and enabled(device)
 
 
 @triton.jit

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specla_kernels import pdl
+
 
 @triton.jit(do_not_specialize=["N"])
 def tree_conv_kernel(
@@ -22,7 +24,9 @@ def tree_conv_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     COPY_X: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.allow_dependents(PDL)
     i_d, i_n, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_n * BN + tl.arange(0, BN)
     m_n = rows < N
@@ -34,6 +38,7 @@ def tree_conv_kernel(
     b_y = tl.zeros([BN, BD], dtype=tl.float32)
     if HAS_BIAS:
         b_y += tl.load(bias + o_d, mask=m_d, other=0.).to(tl.float32)[None, :]
+    pdl.wait_for_inputs(PDL)                       # x comes from the kernel before (pdl.py)
     cur = tl.where(m_n, rows, -1)                  # the node `s` steps above each node, -1 once off the tree
     depth = tl.zeros([BN], dtype=tl.int32)         # steps that stayed inside the tree so far
     for s in tl.static_range(W):
@@ -80,11 +85,12 @@ def tree_conv(
     BN = min(64, triton.next_power_of_2(N))
     BD = max(16, min(triton.next_power_of_2(D), 1024 // BN))
     y = x.new_empty(B, N, D)
+    on = pdl.small_enabled(x.device)
     grid = (triton.cdiv(D, BD), triton.cdiv(N, BN), B)
     tree_conv_kernel[grid](
         x, weight.contiguous(), bias if bias is not None else x, window.contiguous(), parents.contiguous(),
         y, x_out if x_out is not None else y, N, D, x.stride(1) if N > 1 else x.stride(0),
         W=W, BN=BN, BD=BD, HAS_BIAS=bias is not None, SILU=activation is not None, COPY_X=x_out is not None,
-        num_warps=4,
+        PDL=on, num_warps=4, launch_pdl=on,
     )
     return y

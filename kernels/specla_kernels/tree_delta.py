@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from specla_kernels import pdl
+
 
 @triton.jit
 def ancestor_mask(p_n, rows, n_sq, BN: tl.constexpr):
@@ -90,7 +92,9 @@ def tree_gdn_fwd_kernel(
     BF16_DOT: tl.constexpr,                # inputs are bf16: exact bf16 products, state split hi/lo
     OUT_FP32: tl.constexpr,                # o is fp32: its last product also in tf32x3
     LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
+    PDL: tl.constexpr,                     # launched with PDL (pdl.SMALL_KERNELS)
 ):
+    pdl.allow_dependents(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -104,6 +108,7 @@ def tree_gdn_fwd_kernel(
 
     if i_v == NV:
         # one extra program per key head writes k̂, off the critical path of the others
+        pdl.wait_for_inputs(PDL)
         if i_hv % (HV // H) == 0:
             nk = tl.zeros([BN], dtype=tl.float32)
             for k0 in range(0, K, BK):
@@ -122,7 +127,8 @@ def tree_gdn_fwd_kernel(
         p_q = q + tok[:, None] * stride_qt + i_h * K
         # the small operands first, so that their latency hides behind the K loop
         anc = tl.load(ancestors + (i_b * N + rows[:, None]).to(tl.int64) * N + rows[None, :],
-                      mask=m_n[:, None] & m_n[None, :], other=0) != 0
+                      mask=m_n[:, None] & m_n[None, :], other=0) != 0            # built before the pass: pdl.py
+        pdl.wait_for_inputs(PDL)
         b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
         b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
         b_vv = tl.load(v + tok[:, None] * stride_vt + i_hv * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
@@ -241,10 +247,13 @@ def tree_gdn_small_kernel(
     BN: tl.constexpr,                      # nodes, padded to a power of two (a handful: the loop is unrolled)
     KP: tl.constexpr,                      # K padded to a power of two: the whole key in registers
     BV: tl.constexpr,                      # V slice owned by this program
+    PDL: tl.constexpr,
 ):
     """The same outputs for a few nodes, node by node in fp32 without tensor cores (``tl.dot`` pads to 16 nodes):
     ``u_i = β_i (v_i - e^{Γ_i} S₀k̂_i - Σ_{j strict ancestor} e^{Γ_i-Γ_j} (k̂_i·k̂_j) u_j)``, then ``o_i`` as above.
-    A program reads its ``[BV, K]`` slice of the state once; the programs of V slice 0 write k̂."""
+    A program reads its ``[BV, K]`` slice of the state once; the programs of V slice 0 write k̂. With PDL the state
+    slice and the ancestor mask are requested before waiting for the kernel before (pdl.py)."""
+    pdl.allow_dependents(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -257,12 +266,13 @@ def tree_gdn_small_kernel(
     m_v = o_v < V
     b_s = tl.load(h0 + i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :],
                   mask=m_v[:, None] & (o_k < K)[None, :], other=0.)
+    anc = tl.load(ancestors + (i_b * N + rows[:, None]).to(tl.int64) * N + rows[None, :],
+                  mask=m_n[:, None] & m_n[None, :], other=0) != 0
+    pdl.wait_for_inputs(PDL)
     b_k = tl.load(k + tok[:, None] * stride_kt + i_h * K + o_k[None, :], mask=m_nk, other=0.).to(tl.float32)
     b_q = tl.load(q + tok[:, None] * stride_qt + i_h * K + o_k[None, :], mask=m_nk, other=0.).to(tl.float32)
     b_vv = tl.load(v + tok[:, None] * stride_vt + i_hv * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
                    other=0.).to(tl.float32)
-    anc = tl.load(ancestors + (i_b * N + rows[:, None]).to(tl.int64) * N + rows[None, :],
-                  mask=m_n[:, None] & m_n[None, :], other=0) != 0
     b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
     b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
     b_kh = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
@@ -306,7 +316,8 @@ SMALL_MAX = 4
 
 def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
     """Launch shape for ``n`` nodes. Up to ``SMALL_MAX`` nodes (or with ``small``) the node-by-node kernel: padded
-    node count BN, V slice BV and warps. Otherwise the WY/UT kernel: BN, solve block BC, K chunk BK, V slice BV, warps.
+    node count BN, V slice BV and warps. Otherwise the WY/UT kernel: BN, solve block BC, K chunk BK, V slice BV, warps
+    and the K loop's pipeline stages.
 
     Every program is a chain of dependent steps (loads, K loop, mask, solve, output), so latency, not bandwidth, sets
     the time. For bf16 inputs (how models run) the shapes are the fastest of the sweep in benchmarks/bench_kernels.py
@@ -329,8 +340,9 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         BK = 32 if BN <= 32 else 64   # session 8's sweep: 21 layers 184 -> 163 us at 1 node, 357 -> 309 at 32
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
+    # num_stages: Triton's default software pipelining of the K loop, named so that the sweep can vary it
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, LATE_QK=BN >= 64)
+                num_warps=warps, num_stages=3, LATE_QK=BN >= 64)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -387,10 +399,11 @@ def tree_gated_delta_rule(
     tensors = (q, k, v, g.contiguous(), beta.contiguous(), ancestors.contiguous(), initial_state.contiguous(),
                o, k_hat, u)
     strides = (_token_stride(q), _token_stride(k), _token_stride(v))
+    on = pdl.small_enabled(q.device)
     if cfg["SMALL"]:
         tree_gdn_small_kernel[(triton.cdiv(V, cfg["BV"]), B * HV)](
             *tensors, scale, N, *strides, H=H, HV=HV, K=K, V=V, BN=cfg["BN"], KP=triton.next_power_of_2(K),
-            BV=cfg["BV"], num_warps=cfg["num_warps"])
+            BV=cfg["BV"], PDL=on, num_warps=cfg["num_warps"], launch_pdl=on)
         return o, k_hat, u
     # one column of programs per V slice, plus one that writes k̂
     grid = (triton.cdiv(V, cfg['BV']) + 1, B * HV)
@@ -398,6 +411,7 @@ def tree_gated_delta_rule(
         *tensors, scale, N, (min(N, cfg['BC']) - 1).bit_length(), *strides,
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
         BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
-        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], num_warps=cfg['num_warps'],
+        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], PDL=on, num_warps=cfg['num_warps'],
+        num_stages=cfg['num_stages'], launch_pdl=on,
     )
     return o, k_hat, u
