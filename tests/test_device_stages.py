@@ -1,0 +1,27 @@
+"""benchmarks/device_stages.py: stages run under one budget; a stage cut at its limit loses neither what it wrote nor
+the stages after it, and its child processes die with it."""
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "device_stages.py"
+
+
+def test_stages_keep_their_output_when_cut(tmp_path):
+    marker = tmp_path / "still_running"
+    stages = ["first:30:python -c 'print(\"one\")'",
+              # writes a file, starts a child that would outlive it, then overruns its 3 s limit
+              f"slow:3:bash -c 'echo partial > {{work}}/partial.txt; (sleep 8; touch {marker}) & sleep 60'",
+              "last:30:python -c 'print(\"three\")'"]
+    out = subprocess.run([sys.executable, str(SCRIPT), "--budget", "60", "--out", str(tmp_path), *stages],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    with tarfile.open(tmp_path / "stages.tgz") as tar:
+        files = {m.name: m for m in tar.getmembers()}
+        summary = tar.extractfile(files["stages/stages.txt"]).read().decode()
+        assert tar.extractfile(files["stages/partial.txt"]).read().decode() == "partial\n"
+        assert tar.extractfile(files["stages/last.log"]).read().decode() == "three\n"
+    assert "first: exit 0" in summary and "slow: cut at its limit" in summary and "last: exit 0" in summary
+    subprocess.run(["sleep", "7"])
+    assert not marker.exists(), "the cut stage's child process survived it"
