@@ -203,9 +203,9 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 
 def _setting(**values):
-    """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS`` and
-    ``tree_delta.SMALL_MAX`` (keys ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``small_max``) to the
-    values given and the others to their defaults. (Also compared here and
+    """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
+    ``tree_delta.SMALL_MAX`` and torch's preferred BLAS library (keys ``pdl``, ``pdl_small``, ``split_rows``,
+    ``split_cols``, ``small_max``, ``blas``) to the values given and the others to their defaults. (Also compared here and
     removed: in session 7 an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 /
     1.325 ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; in session 9
     PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head suggested:
@@ -216,12 +216,14 @@ def _setting(**values):
         gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
         gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
         tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
+        torch.backends.cuda.preferred_blas_library(values.get("blas", _BLAS))
     return apply
 
 
 _GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
 _SMALL_MAX = tree_delta.SMALL_MAX
 _PDL_SMALL = pdl.SMALL_KERNELS
+_BLAS = torch.backends.cuda.preferred_blas_library()    # the library verify and drafter passes' GEMMs use
 DEFAULTS = _setting()
 AB = {  # name -> its settings; a setting repeated last shows what the build order alone does
     "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False), "on again": _setting(pdl=True)},
@@ -233,6 +235,8 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
     # the verify pass's small kernels (tree conv, gates, tree verify, gated norm) launched with PDL (session 11)
     "pdl_small": {"default": _setting(), "small kernels with PDL": _setting(pdl_small=True),
                   "default again": _setting()},
+    # the verify pass's GEMMs (1.03 of a 64-node pass's 1.87 ms of kernels in session 11) through cuBLASLt's choice
+    "blas": {"default": _setting(), "cuBLASLt": _setting(blas="cublaslt"), "default again": _setting()},
 }
 
 
