@@ -62,23 +62,31 @@ def _path_update(tok, m_p, w_p, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, 
 
 
 @triton.jit
-def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BN: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       EAGER: tl.constexpr):
+def _tile(pid, state_ptrs, BHV, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+          BK: tl.constexpr, BV: tl.constexpr):
+    """State tile ``pid`` (layer-major, then batch x head, then [BV, BK] blocks): its layer, sequence, value and key
+    heads, row and column offsets, addresses and mask."""
     NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BK - 1) // BK
     i_lbh, i_vk = pid // (NV * NK), pid % (NV * NK)
     i_v, i_k = i_vk // NK, i_vk % NK
     i_l, i_bh = i_lbh // BHV, i_lbh % BHV
     i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
     state = tl.load(state_ptrs + i_l).to(tl.pointer_type(tl.float32))
     o_v = i_v * BV + tl.arange(0, BV)
     o_k = i_k * BK + tl.arange(0, BK)
     m_sk = (o_v < V)[:, None] & (o_k < K)[None, :]
     p_sk = state + i_bh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
-    b_s = tl.load(p_sk, mask=m_sk, other=0.)
+    return i_l, i_b, i_hv, i_hv // (HV // H), o_v, o_k, m_sk, p_sk
+
+
+@triton.jit
+def _commit_state_tile(pid, b_s, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BN: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       EAGER: tl.constexpr):
+    """Commit state tile ``pid``, whose current values ``b_s`` the caller has loaded."""
+    i_l, i_b, i_hv, i_h, o_v, o_k, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV)
     rows = tl.arange(0, BN)
     k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
     u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
@@ -146,27 +154,47 @@ def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D
         tl.store(p_w + col[None, :], new, mask=m_d[:, None] & m_col[None, :])
 
 
-@triton.jit(do_not_specialize=["Nt", "BHV", "B", "D", "n_state"])
+@triton.jit(do_not_specialize=["Nt", "BHV", "B", "D", "n_state", "n_window"])
 def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, ancestors, accepted,
-                  Nt, BHV, B, D, n_state,
+                  Nt, BHV, B, D, n_state, n_window,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
                   BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EAGER: tl.constexpr,
-                  WINDOWS_FIRST: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr,
-                  BW: tl.constexpr, BD: tl.constexpr):
-    # the grid holds the state tiles and the (short) window blocks; WINDOWS_FIRST puts the window blocks in the first
-    # wave rather than a tail after the last state tiles
+                  WINDOWS_FIRST: tl.constexpr, PERSISTENT: tl.constexpr, X_DTYPE: tl.constexpr,
+                  W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
+    # The grid holds the state tiles and the (short) window blocks. WINDOWS_FIRST puts the window blocks in the first
+    # wave rather than a tail after the last state tiles. PERSISTENT (window blocks first too): the programs after
+    # the window blocks each commit the state tiles j, j + G, ..., loading the next tile before committing this one,
+    # so a program's store never waits behind its next load (the state stream is a read-modify-write copy).
     pid = tl.program_id(0)
-    n_window = tl.num_programs(0) - n_state
-    if WINDOWS_FIRST:
-        i_state, i_window = pid - n_window, pid
+    if PERSISTENT:
+        if pid < n_window:
+            _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
+                                 X_DTYPE, W_DTYPE, W, BW, BN, BD)
+        else:
+            j = pid - n_window
+            G = tl.num_programs(0) - n_window
+            _, _, _, _, _, _, m_sk, p_sk = _tile(j, state_ptrs, BHV, H, HV, K, V, BK, BV)
+            b_next = tl.load(p_sk, mask=m_sk, other=0.)
+            for t in range(j, n_state, G):
+                b_s = b_next
+                # the next tile (this one's again past the end: a harmless re-read, no mask to build)
+                _, _, _, _, _, _, m_sk, p_sk = _tile(tl.minimum(t + G, n_state - 1), state_ptrs, BHV, H, HV, K, V, BK,
+                                                     BV)
+                b_next = tl.load(p_sk, mask=m_sk, other=0.)
+                _commit_state_tile(t, b_s, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
+                                   H, HV, K, V, BN, BP, BK, BV, EAGER)
     else:
-        i_state, i_window = pid, pid - n_state
-    if (i_state >= 0) & (i_state < n_state):
-        _commit_state_tile(i_state, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
-                           H, HV, K, V, BN, BP, BK, BV, EAGER)
-    else:
-        _commit_window_block(i_window, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
-                             X_DTYPE, W_DTYPE, W, BW, BN, BD)
+        if WINDOWS_FIRST:
+            i_state, i_window = pid - n_window, pid
+        else:
+            i_state, i_window = pid, pid - n_state
+        if (i_state >= 0) & (i_state < n_state):
+            _, _, _, _, _, _, m_sk, p_sk = _tile(i_state, state_ptrs, BHV, H, HV, K, V, BK, BV)
+            _commit_state_tile(i_state, tl.load(p_sk, mask=m_sk, other=0.), state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs,
+                               ancestors, accepted, Nt, BHV, H, HV, K, V, BN, BP, BK, BV, EAGER)
+        else:
+            _commit_window_block(i_window, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
+                                 X_DTYPE, W_DTYPE, W, BW, BN, BD)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
@@ -206,7 +234,8 @@ def commit_tile(n: int) -> dict[str, int]:
     Two options, written in session 11 and not yet timed (off): ``EAGER`` (with ``BP`` = the padded tree) requests
     every node's factors beside the state tile instead of after the path is known, and ``WF`` puts the window blocks
     first in the grid instead of in a tail after the state tiles. (EAGER reads off-path nodes' factors too, weighted
-    0: they must be finite, as the verify pass's outputs are.)"""
+    0: they must be finite, as the verify pass's outputs are.) A third (session 11, not timed): ``PERSIST`` programs
+    per SM, each looping over state tiles with the next tile's load issued before this one is committed."""
     return dict(BV=64, BK=128 if 16 < n <= 64 else 64, BP=32 if n <= 64 else 128, num_warps=4)   # 128: not timed
 
 
@@ -253,8 +282,13 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
     else:
         D = 0
         tables += tables[:2]                                  # never read: no window programs
-    commit_kernel[(n_state + n_window,)](
-        *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
+    n_programs = n_state
+    if tile.get("PERSIST") and n_state:          # PERSIST programs per SM loop over the state tiles
+        sms = (torch.cuda.get_device_properties(parents.device).multi_processor_count if parents.is_cuda else 2)
+        n_programs = min(n_state, tile["PERSIST"] * sms)
+    commit_kernel[(n_programs + n_window,)](
+        *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state, n_window,
         BN=BN, BP=min(tile.get("BP") or BN, BN), EAGER=bool(tile.get("EAGER")) and (tile.get("BP") or BN) >= BN,
-        WINDOWS_FIRST=bool(tile.get("WF")), **shape, num_warps=tile["num_warps"],
+        WINDOWS_FIRST=bool(tile.get("WF")), PERSISTENT=bool(tile.get("PERSIST")), **shape,
+        num_warps=tile["num_warps"],
     )
