@@ -107,11 +107,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def save(out: dict) -> None:
+    """``$OUT/bench_kernels.json``, when ``$OUT`` is set."""
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_kernels.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and no launch-shape sweep")
     ap.add_argument("--nodes", help="comma-separated node counts (default: 1,16,64 with --quick, else "
                     f"{','.join(map(str, NODES))})")
+    ap.add_argument("--no-snapshot", action="store_true", help="skip the snapshot baseline (N fla launches per "
+                    "layer: the slowest part of a run at 64-128 nodes)")
     args = ap.parse_args()
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
@@ -228,6 +237,8 @@ def main() -> None:
                    best=best["config"] if best else None)
         for name, make in [("tree", tree), ("fla_chain", fla_chain), ("snapshot", snapshot), ("commit", commit),
                            ("conv", conv)]:
+            if name == "snapshot" and args.no_snapshot:
+                continue
             row[f"{name}_1_ms"] = bench_graph(make(layers[:1]))
             row[f"{name}_21_ms"] = bench_graph(make(layers))
         row["commit_sweep"] = []
@@ -252,6 +263,7 @@ def main() -> None:
                    commit_GBps=commit_bytes * LAYERS / (row["commit_21_ms"] * 1e-3) / 1e9)
         out["rows"].append(row)
         print(json.dumps(row), f"({time.time() - t0:.0f}s)", flush=True)
+        save(out)                                   # after every row: a run cut short keeps what it measured
         del layers, factors
         torch.cuda.empty_cache()
 
@@ -261,10 +273,7 @@ def main() -> None:
     snapshot_node = LAYERS * (state_bytes + CONV_D * CONV_W * 2)
     out.update(factor_bytes_per_node=factor_node, conv_input_bytes_per_node=conv_node,
                snapshot_bytes_per_node=snapshot_node)
-
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_kernels.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    save(out)
 
     us = 1e3
     print(f"\n{out['device']}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
@@ -278,7 +287,8 @@ def main() -> None:
         best = (f"{r['best']} {r['tree_best_1_ms'] * us:.1f}, {r['tree_best_21_ms'] * us:.1f}" if r.get("best")
                 is not None else "-")
         print(f"| {r['N']} | {r['tree_1_ms'] * us:.1f} | {r['tree_21_ms'] * us:.1f} | {r['fla_chain_21_ms'] * us:.1f} "
-              f"| {tb / r['fla_chain_21_ms']:.2f} | {r['snapshot_21_ms'] * us:.1f} | {r['commit_1_ms'] * us:.1f} "
+              f"| {tb / r['fla_chain_21_ms']:.2f} | {r.get('snapshot_21_ms', float('nan')) * us:.1f} "
+              f"| {r['commit_1_ms'] * us:.1f} "
               f"| {r['commit_21_ms'] * us:.1f} | {r['conv_21_ms'] * us:.1f} | {r['tree_GBps']:.0f} "
               f"| {r['commit_GBps']:.0f} | {r['path_len']} | {'ok' if r['ok'] else 'FAIL'} | {best} |")
     for r in out["rows"]:
