@@ -6,11 +6,11 @@ the call) is cut at its limit.
         "ab:240:python benchmarks/profile_step.py --out {work}/ab --ab small,pdl_small --ab-only"
 
 Each stage is ``name:seconds:command``. Stages run one after another, each under ``min(seconds, what is left of the
-budget)``; once under 20 s of the budget are left, the remaining stages are skipped. A stage's output goes to ``{work}/{name}.log`` as it is printed
-(``{work}`` in a command is the work folder, ``$OUT/stages`` by default, so files a stage writes there come back too),
-and the whole work folder is packed into ``$OUT/stages.tgz`` every 15 s and after each stage: a stage killed at its
-limit, or the call killed at the device's, loses at most the last 15 s. ``stages.txt`` in it lists each stage's exit
-status and seconds. (Session 11 lost a profile and half a test run to limits that killed a pipeline before it wrote.)
+budget)``; once under 20 s of the budget are left, the remaining stages are skipped. A stage's output goes to
+``{work}/{name}.log`` as it is printed (``{work}`` in a command is the work folder, ``$OUT/stages`` by default, so
+files a stage writes there come back too), and the whole work folder is packed into ``$OUT/stages.tgz`` every 15 s
+and after each stage: a stage killed at its limit, or the call killed at the device's, loses at most the last 15 s.
+``stages.txt`` in it lists each stage's exit status and seconds. (Session 11 lost a profile and half a test run to limits that killed a pipeline before it wrote.)
 """
 from __future__ import annotations
 
@@ -26,9 +26,7 @@ from pathlib import Path
 
 PACK_EVERY_S = 15
 MIN_STAGE_S = 20
-
-
-_PACKING = threading.Lock()
+_PACKING = threading.Lock()       # the packer thread and the main loop both pack
 
 
 def pack(work: Path, archive: Path) -> None:

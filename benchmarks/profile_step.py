@@ -205,11 +205,11 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 def _setting(**values):
     """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
     ``tree_delta.SMALL_MAX`` and torch's preferred BLAS library (keys ``pdl``, ``pdl_small``, ``split_rows``,
-    ``split_cols``, ``small_max``, ``blas``) to the values given and the others to their defaults. (Also compared here and
-    removed: in session 7 an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 /
-    1.325 ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; in session 9
-    PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head suggested:
-    1.175 vs 1.136 ms.)"""
+    ``split_cols``, ``small_max``, ``blas``) to the values given and the others to their defaults. (Also compared
+    here and removed: in session 7 an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 /
+    1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms;
+    in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head
+    suggested: 1.175 vs 1.136 ms.)"""
     def apply():
         pdl.USE_PDL = values.get("pdl", True)
         pdl.SMALL_KERNELS = values.get("pdl_small", _PDL_SMALL)
