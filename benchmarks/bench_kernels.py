@@ -7,7 +7,9 @@ batch 1). It checks, then times, and prints a markdown table last; with ``$OUT``
 For N in {1, 4, 16, 32, 64, 128} draft nodes it times, each as a CUDA graph replay (median of
 ``triton.testing.do_bench``, which flushes L2 before every replay), for one layer and for all 21 layers (each layer its
 own state and inputs, 63 MiB of states in all):
-- ``tree``: our tree verify on a random tree (writes o, u, k_hat; no per-node state);
+- ``tree``: our tree verify on a random tree (writes o, u, k_hat; no per-node state): ``--tree deep`` (the default)
+  a main chain with side branches, ``--tree drafted`` the shape the default drafter submits (depth 8, up to 4
+  children a node), which sets how many sweeps the sweep solve takes;
 - ``fla chain``: fla's ``fused_recurrent_gated_delta_rule`` on a chain of N tokens (outputs only);
 - ``snapshot``: the tree verified the snapshot way: fla's fused_recurrent once per node from its parent's state,
   writing a full [HV, V, K] fp32 state per node;
@@ -48,6 +50,13 @@ SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=
               dict(num_stages=2), dict(num_stages=4), dict(BK=32, num_stages=4)],
          128: [dict(BC=32), dict(num_warps=4), dict(num_warps=16), dict(BV=16), dict(BV=64), dict(BK=32),
                dict(BK=16, BV=16)]}
+# the solve by depth sweeps (tree_delta.SWEEP_MAX, session 12) at each size's default shape and at the other V slices
+# and warps its fewer [BN, BN] tiles may favour; on a deep tree (depth > 16) these take the block solve
+for _bn, _extra in {16: [{}, dict(BV=32)], 32: [{}, dict(BV=16), dict(num_warps=8)],
+                    64: [{}, dict(BV=16), dict(num_warps=8), dict(BK=32), dict(BK=32, num_warps=8),
+                         dict(BV=64, num_warps=8)],
+                    128: [{}, dict(BV=16)]}.items():
+    SWEEP[_bn] += [dict(SWEEP_MAX=16, **e) for e in _extra]
 # up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
 SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w) for bv, w in ((8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
 # state tiles [BV, BK] of one commit program (and path nodes per dot, BP)
@@ -95,6 +104,24 @@ def deep_tree(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.tensor([p], dtype=torch.long)
 
 
+def drafted_tree(n: int, gen: torch.Generator, depth: int = 8, topk: int = 4) -> torch.Tensor:
+    """The shape the default drafter submits (``DraftBuffers.select_tree``): nodes in depth order, ``topk`` children
+    of the root, the other nodes spread evenly over depths 2..``depth`` (as far as ``topk`` children a node allow),
+    each a child of a random node of the depth above with room for one more (the first ones, the drafter's best, more
+    often)."""
+    p, above, left = [-1] + [0] * min(topk, n - 1), range(1, min(topk, n - 1) + 1), n - 1 - min(topk, n - 1)
+    for d in range(depth - 1, 0, -1):
+        c = min(-(-left // d), topk * len(above))
+        kids = [0] * len(above)
+        for _ in range(c):
+            free = [j for j, k in enumerate(kids) if k < topk]
+            j = free[int(torch.multinomial(torch.tensor([1.0 / (1 + j) for j in free]), 1, generator=gen))]
+            kids[j] += 1
+            p.append(above[j])
+        above, left = range(len(p) - c, len(p)), left - c
+    return torch.tensor([p], dtype=torch.long)
+
+
 def layer_inputs(n: int, gen: torch.Generator, dev: str) -> dict:
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(dev)
@@ -119,6 +146,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and no launch-shape sweep")
     ap.add_argument("--nodes", help="comma-separated node counts (default: 1,16,64 with --quick, else "
                     f"{','.join(map(str, NODES))})")
+    ap.add_argument("--tree", choices=("deep", "drafted"), default="deep", help="the tree verified and committed")
     ap.add_argument("--no-snapshot", action="store_true", help="skip the snapshot baseline (N fla launches per "
                     "layer: the slowest part of a run at 64-128 nodes)")
     args = ap.parse_args()
@@ -129,7 +157,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     nodes = [int(n) for n in args.nodes.split(",")] if args.nodes else (1, 16, 64) if args.quick else NODES
     out: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                     shape=dict(layers=LAYERS, H=H, HV=HV, K=K, V=V, batch=B, dtype=str(DTYPE)), rows=[])
+                     tree=args.tree, shape=dict(layers=LAYERS, H=H, HV=HV, K=K, V=V, batch=B, dtype=str(DTYPE)),
+                     rows=[])
 
     # ---- ceilings: copy bandwidth and the cost of launching 21 trivial kernels from a graph
     src = torch.randn(256 * 2**20, device=dev)                                 # 1 GiB
@@ -146,7 +175,7 @@ def main() -> None:
     state_bytes = HV * V * K * 4
     for n in nodes:
         t0 = time.time()
-        parents = deep_tree(n, gen).to(dev)
+        parents = (deep_tree if args.tree == "deep" else drafted_tree)(n, gen).to(dev)
         chain = ref.chain_parents(n, B, device=dev)
         layers = [layer_inputs(n, gen, dev) for _ in range(LAYERS)]
         L0 = layers[0]

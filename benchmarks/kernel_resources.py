@@ -32,6 +32,8 @@ TREE_CONFIGS = {16: [dict(num_warps=4), dict(BK=32)],
                 64: [dict(num_warps=8), dict(BV=16), dict(BV=16, num_warps=8), dict(BV=64, num_warps=8), dict(BK=32),
                      dict(BK=32, num_warps=8)],
                 128: [dict(BV=16), dict(BV=16, num_warps=16), dict(BK=32), dict(BK=16, BV=16)]}
+for _configs in TREE_CONFIGS.values():       # the solve by depth sweeps at each size (session 12)
+    _configs.append(dict(SWEEP_MAX=16))
 
 
 def ptxas_resources(ptx: str) -> dict[str, int]:
@@ -81,7 +83,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     seen = set()
     for fn, bound, options in launches:
-        shape = {k: bound[k] for k in ("BN", "BV", "BK", "BC", "KR", "KC", "PRO", "EPI") if k in bound}
+        shape = {k: bound[k] for k in ("BN", "BV", "BK", "BC", "KR", "KC", "PRO", "EPI", "SWEEP_MAX")
+                 if k in bound}
         key = (fn.__name__, tuple(shape.items()), options.get("num_warps"))
         if key in seen:
             continue

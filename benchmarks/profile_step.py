@@ -5,7 +5,7 @@ median of many replays after warm-up):
 - ``ar_step``: the target consuming one token (our autoregressive step); ``prompt_pass_128``: a 128-token prompt
   consumed as graphed chains, and ``prompt_pass_128_eager`` through fla's chunked kernels;
 - ``verify_N``: the target verifying a random tree of N nodes (padded to its bucket), pending nodes then discarded;
-- ``pdl_ab`` (``--ab pdl``): ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_4/16/32`` and
+- ``pdl_ab`` (``--ab pdl``): ``ar_step``, ``ar_loop32`` (32 greedy steps back to back), ``verify_4/16/32/64`` and
   ``draft_tree9`` from runners captured under each setting (programmatic dependent launch on and off), in rotating
   order (``--ab-only``: only these and the prompt passes, a short run);
 - ``commit``: committing a 6-node path of a 32-node tree (state + conv window, all layers);
@@ -159,11 +159,11 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
     """Launch settings side by side (``settings``: name -> a function that applies it; each module global they
     change is read when a kernel is launched or captured): runners built and captured under each setting (own graphs
     and caches), then timed on the same inputs in rounds whose order rotates (medians), so that drift and order fall
-    on all: the target's step, 32 greedy steps back to back (``ar_loop32``), verify passes of 4, 16 and 32 nodes and
-    the drafter's pass over a 9-node tree. Run before anything starts the profiler (its
-    callbacks stay and slow later launches)."""
+    on all: the target's step, 32 greedy steps back to back (``ar_loop32``), verify passes of 4, 16, 32 and 64 nodes
+    and the drafter's pass over a 9-node tree. Run before anything starts the profiler (its callbacks stay and slow
+    later launches)."""
     trees = {n: (torch.randint(0, big.config.vocab_size, (1, n), generator=gen), random_tree(n, gen))
-             for n in (4, 16, 32)}
+             for n in (4, 16, 32, 64)}
     H, dev = drafter.config.hidden_size, big.device
     feats9 = torch.randn(1, 9, H, generator=gen).to(dev, big.dtype)
     toks9 = torch.randint(0, big.config.vocab_size, (1, 9), generator=gen).to(dev)
@@ -204,24 +204,26 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 def _setting(**values):
     """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
-    ``tree_delta.SMALL_MAX`` and torch's preferred BLAS library (keys ``pdl``, ``pdl_small``, ``split_rows``,
-    ``split_cols``, ``small_max``, ``blas``) to the values given and the others to their defaults. (Also compared
-    here and removed: in session 7 an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 /
-    1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms;
-    in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head
-    suggested: 1.175 vs 1.136 ms.)"""
+    ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEP_MAX`` and torch's preferred BLAS library (keys ``pdl``,
+    ``pdl_small``, ``split_rows``, ``split_cols``, ``small_max``, ``sweep_max``, ``blas``) to the values given and the
+    others to their defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
+    0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL
+    against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back
+    copies of gate_up and lm_head suggested: 1.175 vs 1.136 ms.)"""
     def apply():
         pdl.USE_PDL = values.get("pdl", True)
         pdl.SMALL_KERNELS = values.get("pdl_small", _PDL_SMALL)
         gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
         gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
         tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
+        tree_delta.SWEEP_MAX = values.get("sweep_max", _SWEEP_MAX)
         torch.backends.cuda.preferred_blas_library(values.get("blas", _BLAS))
     return apply
 
 
 _GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
 _SMALL_MAX = tree_delta.SMALL_MAX
+_SWEEP_MAX = tree_delta.SWEEP_MAX
 _PDL_SMALL = pdl.SMALL_KERNELS
 _BLAS = torch.backends.cuda.preferred_blas_library()    # the library verify and drafter passes' GEMMs use
 DEFAULTS = _setting()
@@ -237,6 +239,8 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
                   "default again": _setting()},
     # the verify pass's GEMMs (1.03 of a 64-node pass's 1.87 ms of kernels in session 11) through cuBLASLt's choice
     "blas": {"default": _setting(), "cuBLASLt": _setting(blas="cublaslt"), "default again": _setting()},
+    # the tree verify's solve by depth sweeps for trees up to depth 16 (session 12), against the block solve
+    "sweep": {"default": _setting(), "sweeps to depth 16": _setting(sweep_max=16), "default again": _setting()},
 }
 
 

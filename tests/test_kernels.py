@@ -121,17 +121,24 @@ def gdn_inputs(B, N, H, HV, K, V, dtype, device, gen):
 # ----------------------------------------------------------------------------------------------------------------
 # gated delta rule over a tree
 # ----------------------------------------------------------------------------------------------------------------
+# the WY/UT kernel's two solves: the block solve, and sweeps up to depth 16 (deeper trees, the chains and deep trees
+# of SIZES, then take the block solve inside the same kernel)
+SOLVES = pytest.mark.parametrize("sweep_max", [0, 16], ids=["block", "sweeps"])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["chain", "star", "deep", "bushy", "single", "forest"])
 @MODEL_DTYPES
-def test_tree_delta_matches_reference(device, kind, dtype):
+@SOLVES
+def test_tree_delta_matches_reference(device, kind, dtype, sweep_max):
     gen = seeded(kind, dtype)
     B, H, HV, K, V = SHAPES[device][dtype != torch.float32]
     N = SIZES[device][kind]
     q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, dtype, device, gen)
     parents = random_parents(kind, B, N, gen).to(device)
     state_before = state.clone()
-    o, k_hat, u = tree_gated_delta_rule(q, k, v, g, beta, parents, state)
+    cfg = dict(SWEEP_MAX=sweep_max)
+    o, k_hat, u = tree_gated_delta_rule(q, k, v, g, beta, parents, state, config=cfg)
     o_ref, k_hat_ref, u_ref = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
     assert o.dtype == v.dtype and k_hat.dtype == u.dtype == torch.float32
     check(o, o_ref, TOL[dtype], "o")
@@ -140,7 +147,7 @@ def test_tree_delta_matches_reference(device, kind, dtype):
     assert torch.equal(state, state_before), "verification must not touch the committed state"
     # the mask given (as the runner gives every layer the cache's) computes the same
     anc = ref.tree_ancestors(parents.cpu()).to(device)
-    given = tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=anc)
+    given = tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=anc, config=cfg)
     assert all(torch.equal(a, b) for a, b in zip(given, (o, k_hat, u)))
     with pytest.raises(ValueError, match="ancestors"):
         tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=torch.ones(B, N, N + 1, dtype=torch.bool))
@@ -169,21 +176,24 @@ def test_small_trees_both_kernels_match_reference(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["chain", "deep"])
-def test_tree_delta_is_stable_on_repeated_tokens(device, kind):
+@pytest.mark.parametrize("kind", ["chain", "deep", "chain17"])
+@SOLVES
+def test_tree_delta_is_stable_on_repeated_tokens(device, kind, sweep_max):
     """The hard case for the solve: one key repeated along long paths, writes at full strength, no decay, so the
     strictly lower L is ~all ones on ancestors (its powers grow like binomial coefficients: a Neumann product of them
-    loses fp32 precision; substitution and block doubling must not)."""
+    loses fp32 precision; substitution, block doubling and sweeps must not). ``chain17``: a chain of depth 16, the
+    deepest that sweeps take, where their intermediate values grow the most."""
     gen = seeded(kind, 'repeated')
     B, H, HV, K, V = SHAPES[device][0]
-    N = SIZES[device][kind]
+    N = 17 if kind == "chain17" else SIZES[device][kind]
     q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, torch.float32, device, gen)
     k = k[:, :1].expand_as(k).contiguous()
     g, beta = torch.full_like(g, -1e-4), torch.full_like(beta, 0.999)
-    parents = random_parents(kind, B, N, gen).to(device)
+    parents = random_parents(kind.removesuffix("17"), B, N, gen).to(device)
     want = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
-    for got, w, name in zip(tree_gated_delta_rule(q, k, v, g, beta, parents, state), want, ("o", "k_hat", "u")):
-        check(got, w, 1e-3, name)
+    got = tree_gated_delta_rule(q, k, v, g, beta, parents, state, config=dict(SWEEP_MAX=sweep_max))
+    for x, w, name in zip(got, want, ("o", "k_hat", "u")):
+        check(x, w, 1e-3, name)
 
 
 @pytest.mark.parametrize("device", DEVICES)

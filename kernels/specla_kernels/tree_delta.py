@@ -75,6 +75,57 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
+@triton.jit
+def _block_solve(b_l, b_r, rows, N, n_lvl, BN: tl.constexpr, BC: tl.constexpr):
+    """``U`` with ``(I + L) U = R`` for any unit lower triangular ``I + L`` (module docstring: block doubling for the
+    diagonal blocks' inverses ``X``, then ``U = XR - (X L_O) U`` block row by block row)."""
+    NC: tl.constexpr = BN // BC
+    # X = (I + L_D)^{-1} for every BC x BC diagonal block at once, on a [NC, BC, BC] view
+    blk = rows // BC
+    same_blk = blk[:, None] == blk[None, :]
+    if NC == 1:
+        l_diag = tl.reshape(b_l, [1, BC, BC])
+    else:
+        l_diag = tl.sum(tl.reshape(tl.where(same_blk, b_l, 0.), [NC, BC, NC, BC]), 2)   # other blocks are 0
+    i3 = tl.arange(0, BC)[None, :, None]
+    j3 = tl.arange(0, BC)[None, None, :]
+    x3 = tl.where(i3 == j3, 1., 0.) + tl.zeros([NC, BC, BC], dtype=tl.float32)
+    # X inverts I + L_D restricted to diagonal blocks of size 2^lvl; adding the next level's off-diagonal half E
+    # (rows in the lower, columns in the upper 2^lvl of each 2^(lvl+1) block) gives X - X E X exactly (E X E = 0)
+    for lvl in range(n_lvl):
+        e3 = tl.where(((i3 >> (lvl + 1)) == (j3 >> (lvl + 1))) & ((i3 >> lvl) != (j3 >> lvl)), l_diag, 0.)
+        x3 = x3 - tl.dot(tl.dot(x3, e3, input_precision="tf32x3"), x3, input_precision="tf32x3")
+
+    if NC == 1:
+        b_u = tl.dot(tl.reshape(x3, [BN, BN]), b_r, input_precision="tf32x3")
+    else:
+        c_a = tl.arange(0, NC)[:, None, None, None]
+        c_b = tl.arange(0, NC)[None, None, :, None]
+        b_x = tl.reshape(tl.where(c_a == c_b, x3[:, :, None, :], 0.), [BN, BN])       # block diagonal
+        # (I + L_D) U = R - L_O U  =>  U = XR - (X L_O) U, resolved one block row at a time
+        b_xl = tl.dot(b_x, tl.where(same_blk, 0., b_l), input_precision="tf32x3")
+        b_xr = tl.dot(b_x, b_r, input_precision="tf32x3")
+        b_u = b_xr
+        for c in range(1, tl.cdiv(N, BC)):
+            b_u = tl.where((blk == c)[:, None], b_xr - tl.dot(b_xl, b_u, input_precision="tf32x3"), b_u)
+    return b_u
+
+
+@triton.jit
+def _sweep_solve(b_l, b_r, depth):
+    """``U`` with ``(I + L) U = R`` by ``depth`` sweeps of ``U <- R - L U`` from ``U = R``, for ``L`` ancestor-masked
+    on a tree of that depth. ``L_ij != 0`` only for ``j`` a strict ancestor of ``i``, so after sweep ``t`` every node
+    of depth <= t holds its final ``u``: its ancestors' were final one sweep earlier, and it is then computed from them
+    exactly as forward substitution would (no power of ``L`` is formed; the other nodes' intermediate values are
+    partial Neumann sums, bounded for the shallow trees this runs on, which enter a final row only multiplied by an
+    exact zero of ``L``). A sweep is one dot over the whole tree: ``depth`` dependent dots in place of the block
+    solve's ``2 log2 BC + NC`` (drafted trees are wide and shallow: depth 8 for the default 63-node tree)."""
+    b_u = b_r
+    for _ in range(depth):
+        b_u = b_r - tl.dot(b_l, b_u, input_precision="tf32x3")
+    return b_u
+
+
 @triton.jit(do_not_specialize=["N", "n_lvl"])   # one binary per padded size, whatever N is
 def tree_gdn_fwd_kernel(
     q, k, v, g, beta, ancestors, h0,       # inputs (ancestors: [B, N, N] bool, from tree_ancestors)
@@ -92,13 +143,13 @@ def tree_gdn_fwd_kernel(
     BF16_DOT: tl.constexpr,                # inputs are bf16: exact bf16 products, state split hi/lo
     OUT_FP32: tl.constexpr,                # o is fp32: its last product also in tf32x3
     LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
+    SWEEP_MAX: tl.constexpr,               # trees of depth <= this solve by sweeps (_sweep_solve); 0: never
     PDL: tl.constexpr,                     # launched with PDL (pdl.SMALL_KERNELS)
 ):
     pdl.allow_dependents(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    NC: tl.constexpr = BN // BC
     NV: tl.constexpr = (V + BV - 1) // BV
 
     rows = tl.arange(0, BN)
@@ -182,34 +233,15 @@ def tree_gdn_fwd_kernel(
         b_r = b_beta[:, None] * (b_vv - (eg * rk)[:, None] * b_ks)
         b_l = tl.where(rows[:, None] != rows[None, :], (b_beta * rk)[:, None] * decay * b_kk * rk[None, :], 0.)
 
-        # X = (I + L_D)^{-1} for every BC x BC diagonal block at once, on a [NC, BC, BC] view
-        blk = rows // BC
-        same_blk = blk[:, None] == blk[None, :]
-        if NC == 1:
-            l_diag = tl.reshape(b_l, [1, BC, BC])
+        if SWEEP_MAX > 0:
+            # the tree's depth (root 0): L^(depth+1) = 0, so that many sweeps solve it exactly (_sweep_solve)
+            depth = tl.max(tl.sum(anc.to(tl.int32), 1), 0) - 1
+            if depth <= SWEEP_MAX:
+                b_u = _sweep_solve(b_l, b_r, depth)
+            else:
+                b_u = _block_solve(b_l, b_r, rows, N, n_lvl, BN, BC)
         else:
-            l_diag = tl.sum(tl.reshape(tl.where(same_blk, b_l, 0.), [NC, BC, NC, BC]), 2)   # other blocks are 0
-        i3 = tl.arange(0, BC)[None, :, None]
-        j3 = tl.arange(0, BC)[None, None, :]
-        x3 = tl.where(i3 == j3, 1., 0.) + tl.zeros([NC, BC, BC], dtype=tl.float32)
-        # X inverts I + L_D restricted to diagonal blocks of size 2^lvl; adding the next level's off-diagonal half E
-        # (rows in the lower, columns in the upper 2^lvl of each 2^(lvl+1) block) gives X - X E X exactly (E X E = 0)
-        for lvl in range(n_lvl):
-            e3 = tl.where(((i3 >> (lvl + 1)) == (j3 >> (lvl + 1))) & ((i3 >> lvl) != (j3 >> lvl)), l_diag, 0.)
-            x3 = x3 - tl.dot(tl.dot(x3, e3, input_precision="tf32x3"), x3, input_precision="tf32x3")
-
-        if NC == 1:
-            b_u = tl.dot(tl.reshape(x3, [BN, BN]), b_r, input_precision="tf32x3")
-        else:
-            c_a = tl.arange(0, NC)[:, None, None, None]
-            c_b = tl.arange(0, NC)[None, None, :, None]
-            b_x = tl.reshape(tl.where(c_a == c_b, x3[:, :, None, :], 0.), [BN, BN])       # block diagonal
-            # (I + L_D) U = R - L_O U  =>  U = XR - (X L_O) U, resolved one block row at a time
-            b_xl = tl.dot(b_x, tl.where(same_blk, 0., b_l), input_precision="tf32x3")
-            b_xr = tl.dot(b_x, b_r, input_precision="tf32x3")
-            b_u = b_xr
-            for c in range(1, tl.cdiv(N, BC)):
-                b_u = tl.where((blk == c)[:, None], b_xr - tl.dot(b_xl, b_u, input_precision="tf32x3"), b_u)
+            b_u = _block_solve(b_l, b_r, rows, N, n_lvl, BN, BC)
 
         # ---- outputs: o = e^Γ S0 q̂ + (ancestor-masked decayed q̂ k̂^T) U
         if LATE_QK:
@@ -313,6 +345,12 @@ INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 # 166 / 179 / 193 and fla's chain 87 / 113 / 164; at 8 nodes the WY/UT kernel wins (15 vs 27 us a layer)
 SMALL_MAX = 4
 
+# the deepest tree the WY/UT kernel solves by sweeps (_sweep_solve) instead of the block solve; 0: none (session 12:
+# written, not timed yet). Drafted trees are shallow (depth 8 for the default 63-node tree); sweeps cost a dot each and
+# their intermediate values grow like binomial coefficients of the depth on repeated keys, so deep trees (long chains)
+# always take the block solve
+SWEEP_MAX = 0
+
 
 def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
     """Launch shape for ``n`` nodes. Up to ``SMALL_MAX`` nodes (or with ``small``) the node-by-node kernel: padded
@@ -342,7 +380,7 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
     # num_stages: Triton's default software pipelining of the K loop, named so that the sweep can vary it
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=3, LATE_QK=BN >= 64)
+                num_warps=warps, num_stages=3, LATE_QK=BN >= 64, SWEEP_MAX=SWEEP_MAX)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -411,7 +449,8 @@ def tree_gated_delta_rule(
         *tensors, scale, N, (min(N, cfg['BC']) - 1).bit_length(), *strides,
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
         BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
-        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], PDL=on, num_warps=cfg['num_warps'],
+        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], SWEEP_MAX=cfg['SWEEP_MAX'], PDL=on,
+        num_warps=cfg['num_warps'],
         num_stages=cfg['num_stages'], launch_pdl=on,
     )
     return o, k_hat, u
