@@ -64,11 +64,8 @@ COMMIT_SWEEP = [dict(BV=bv, BK=bk, num_warps=w) for bv, bk, w in ((64, 64, 4), (
                                                                   (64, 256, 4), (64, 64, 8), (128, 64, 8),
                                                                   (64, 128, 8))] + [
     dict(BV=64, BK=bk, BP=32, num_warps=4) for bk in (64, 128)] + [  # path chunks of 32 nodes
-    # the factors requested with the state tile (EAGER, one dot over the padded tree), the window blocks first (WF)
-    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, WF=1, num_warps=4),
-    dict(BV=64, BK=64, BP=128, EAGER=1, WF=1, num_warps=4), dict(BV=64, BK=128, WF=1, num_warps=4)] + [
-    # PERSIST programs per SM looping over the state tiles, the next tile's load issued before this one's commit
-    dict(BV=bv, BK=bk, PERSIST=p, num_warps=4) for bv, bk, p in ((64, 64, 2), (32, 64, 3), (64, 128, 2))]
+    # the factors requested with the state tile (EAGER, one dot over the padded tree)
+    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 

@@ -239,8 +239,8 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
                   "default again": _setting()},
     # the verify pass's GEMMs (1.03 of a 64-node pass's 1.87 ms of kernels in session 11) through cuBLASLt's choice
     "blas": {"default": _setting(), "cuBLASLt": _setting(blas="cublaslt"), "default again": _setting()},
-    # the tree verify's solve by depth sweeps for trees up to depth 16 (session 12), against the block solve
-    "sweep": {"default": _setting(), "sweeps to depth 16": _setting(sweep_max=16), "default again": _setting()},
+    # the tree verify's solve by depth sweeps at 64 nodes (session 12's default), against the block solve
+    "sweep": {"default": _setting(), "block solve only": _setting(sweep_max=0), "default again": _setting()},
 }
 
 

@@ -339,12 +339,12 @@ def test_commit_all_layers_in_one_launch(device, kind):
     windows = [l["window"].clone() for l in layers]
     # the mask built by the kernel or given (as the cache gives it); the path's nodes in one dot over the tree or
     # gathered 16 per dot (several chunks on the deep tree's long paths); every node's factors loaded before the path
-    # is known, with the window blocks first in the grid; programs looping over the state tiles
+    # is known (EAGER, the default up to 16 nodes) or after it
     anc = tree_ancestors(parents)
     gathered = functools.partial(commit_kernels.commit_, tile=dict(BP=16))
-    eager = functools.partial(commit_kernels.commit_, tile=dict(BP=128, EAGER=1, WF=1))
-    persistent = functools.partial(commit_kernels.commit_, tile=dict(PERSIST=1))   # several tiles per program
-    for ancestors, commit in ((None, commit_), (anc, commit_), (anc, gathered), (anc, eager), (anc, persistent)):
+    eager = functools.partial(commit_kernels.commit_, tile=dict(BP=128, EAGER=1))
+    lazy = functools.partial(commit_kernels.commit_, tile=dict(BP=128, EAGER=0))
+    for ancestors, commit in ((None, commit_), (anc, commit_), (anc, gathered), (anc, eager), (anc, lazy)):
         for s, w, l in zip(states, windows, layers):
             s.copy_(l["state"])
             w.copy_(l["window"])

@@ -95,10 +95,7 @@ def call_every_wrapper():
                            [z(1, N, H, dtype=f32)] * 2), windows=([x, x.clone()], [z(1, D, W), z(1, D, W)]))
     commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(BP=16),   # path gathered
                    states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]))
-    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(PERSIST=2),
-                   states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]),
-                   windows=([x], [z(1, D, W)]))
-    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(BP=N, EAGER=1, WF=1),
+    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(BP=N, EAGER=1),
                    states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]),
                    windows=([x], [z(1, D, W)]))
     topk.row_topk(z(4, 16384), 4)

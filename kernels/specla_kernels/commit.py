@@ -154,47 +154,22 @@ def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D
         tl.store(p_w + col[None, :], new, mask=m_d[:, None] & m_col[None, :])
 
 
-@triton.jit(do_not_specialize=["Nt", "BHV", "B", "D", "n_state", "n_window"])
+@triton.jit(do_not_specialize=["Nt", "BHV", "B", "D", "n_state"])
 def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, ancestors, accepted,
-                  Nt, BHV, B, D, n_state, n_window,
+                  Nt, BHV, B, D, n_state,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
-                  BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EAGER: tl.constexpr,
-                  WINDOWS_FIRST: tl.constexpr, PERSISTENT: tl.constexpr, X_DTYPE: tl.constexpr,
+                  BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EAGER: tl.constexpr, X_DTYPE: tl.constexpr,
                   W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
-    # The grid holds the state tiles and the (short) window blocks. WINDOWS_FIRST puts the window blocks in the first
-    # wave rather than a tail after the last state tiles. PERSISTENT (window blocks first too): the programs after
-    # the window blocks each commit the state tiles j, j + G, ..., loading the next tile before committing this one,
-    # so a program's store never waits behind its next load (the state stream is a read-modify-write copy).
+    # the grid holds the state tiles, then the (short) window blocks (session 12 measured the window blocks first in
+    # the grid, and programs looping over several state tiles with the next one's load issued first: both slower)
     pid = tl.program_id(0)
-    if PERSISTENT:
-        if pid < n_window:
-            _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
-                                 X_DTYPE, W_DTYPE, W, BW, BN, BD)
-        else:
-            j = pid - n_window
-            G = tl.num_programs(0) - n_window
-            _, _, _, _, _, _, m_sk, p_sk = _tile(j, state_ptrs, BHV, H, HV, K, V, BK, BV)
-            b_next = tl.load(p_sk, mask=m_sk, other=0.)
-            for t in range(j, n_state, G):
-                b_s = b_next
-                # the next tile (this one's again past the end: a harmless re-read, no mask to build)
-                _, _, _, _, _, _, m_sk, p_sk = _tile(tl.minimum(t + G, n_state - 1), state_ptrs, BHV, H, HV, K, V, BK,
-                                                     BV)
-                b_next = tl.load(p_sk, mask=m_sk, other=0.)
-                _commit_state_tile(t, b_s, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
-                                   H, HV, K, V, BN, BP, BK, BV, EAGER)
+    if pid < n_state:
+        _, _, _, _, _, _, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV)
+        _commit_state_tile(pid, tl.load(p_sk, mask=m_sk, other=0.), state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs,
+                           ancestors, accepted, Nt, BHV, H, HV, K, V, BN, BP, BK, BV, EAGER)
     else:
-        if WINDOWS_FIRST:
-            i_state, i_window = pid - n_window, pid
-        else:
-            i_state, i_window = pid, pid - n_state
-        if (i_state >= 0) & (i_state < n_state):
-            _, _, _, _, _, _, m_sk, p_sk = _tile(i_state, state_ptrs, BHV, H, HV, K, V, BK, BV)
-            _commit_state_tile(i_state, tl.load(p_sk, mask=m_sk, other=0.), state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs,
-                               ancestors, accepted, Nt, BHV, H, HV, K, V, BN, BP, BK, BV, EAGER)
-        else:
-            _commit_window_block(i_window, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
-                                 X_DTYPE, W_DTYPE, W, BW, BN, BD)
+        _commit_window_block(pid - n_state, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
+                             X_DTYPE, W_DTYPE, W, BW, BN, BD)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
@@ -231,12 +206,15 @@ def commit_tile(n: int) -> dict[str, int]:
     128, where [64, 128] took 386; session 8). At 33-64 nodes the path's nodes are gathered 32 per dot: 96 -> 80 us at
     64 nodes (session 11; the whole-tree dot holds every node's factor tiles: 255 registers and spills). 8 warps lost at
     every size. A loop over the path with a data-dependent trip count measured 94-406 us (session 7).
-    Two options, written in session 11 and not yet timed (off): ``EAGER`` (with ``BP`` = the padded tree) requests
-    every node's factors beside the state tile instead of after the path is known, and ``WF`` puts the window blocks
-    first in the grid instead of in a tail after the state tiles. (EAGER reads off-path nodes' factors too, weighted
-    0: they must be finite, as the verify pass's outputs are.) A third (session 11, not timed): ``PERSIST`` programs
-    per SM, each looping over state tiles with the next tile's load issued before this one is committed."""
-    return dict(BV=64, BK=128 if 16 < n <= 64 else 64, BP=32 if n <= 64 else 128, num_warps=4)   # 128: not timed
+    Up to 16 nodes ``EAGER`` (with ``BP`` = the padded tree) requests every node's factors beside the state tile
+    instead of after the path is known (session 12; it reads off-path nodes' factors too, weighted 0: they must be
+    finite, as the verify pass's outputs are). Measured and removed (session 12): the window blocks first in the grid
+    (57.7 vs 57.8 us at 16 nodes, 81.3 vs 69.2 at 32) and 2-3 programs per SM looping over the state tiles with the
+    next tile's load issued first (78.1 / 86.8 / 100.4 us at 16 / 32 / 64 nodes)."""
+    # EAGER up to 16 nodes: 57.8 -> 55.1 and 58.6 -> 55.3 us at 16 nodes (session 12, two runs; at 32 and 64 nodes it
+    # lost: 70.3 vs 67.2, 106.8 vs 76.4)
+    return dict(BV=64, BK=128 if 16 < n <= 64 else 64, BP=32 if n <= 64 else 128, EAGER=int(n <= 16),  # 128: not timed
+                num_warps=4)
 
 
 def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
@@ -282,13 +260,8 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
     else:
         D = 0
         tables += tables[:2]                                  # never read: no window programs
-    n_programs = n_state
-    if tile.get("PERSIST") and n_state:          # PERSIST programs per SM loop over the state tiles
-        sms = (torch.cuda.get_device_properties(parents.device).multi_processor_count if parents.is_cuda else 2)
-        n_programs = min(n_state, tile["PERSIST"] * sms)
-    commit_kernel[(n_programs + n_window,)](
-        *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state, n_window,
+    commit_kernel[(n_state + n_window,)](
+        *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
         BN=BN, BP=min(tile.get("BP") or BN, BN), EAGER=bool(tile.get("EAGER")) and (tile.get("BP") or BN) >= BN,
-        WINDOWS_FIRST=bool(tile.get("WF")), PERSISTENT=bool(tile.get("PERSIST")), **shape,
-        num_warps=tile["num_warps"],
+        **shape, num_warps=tile["num_warps"],
     )

@@ -345,11 +345,11 @@ INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 # 166 / 179 / 193 and fla's chain 87 / 113 / 164; at 8 nodes the WY/UT kernel wins (15 vs 27 us a layer)
 SMALL_MAX = 4
 
-# the deepest tree the WY/UT kernel solves by sweeps (_sweep_solve) instead of the block solve; 0: none (session 12:
-# written, not timed yet). Drafted trees are shallow (depth 8 for the default 63-node tree); sweeps cost a dot each and
-# their intermediate values grow like binomial coefficients of the depth on repeated keys, so deep trees (long chains)
-# always take the block solve
-SWEEP_MAX = 0
+# the deepest tree the WY/UT kernel solves by sweeps (_sweep_solve) instead of the block solve, at the padded size where
+# that measured faster (tree_config). Drafted trees are shallow (depth 8 for the default 63-node tree); sweeps cost a dot
+# each and their intermediate values grow like binomial coefficients of the depth on repeated keys, so deep trees (long
+# chains) take the block solve
+SWEEP_MAX = 16
 
 
 def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
@@ -373,14 +373,19 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         return dict(SMALL=True, BN=triton.next_power_of_2(n), BV=8, num_warps=1)
     BN = max(16, triton.next_power_of_2(n))
     BK = 64
+    stages = 3                        # Triton's default software pipelining of the K loop
     if dtype == torch.bfloat16:
-        BC, BV, warps = {16: (16, 16, 2), 32: (16, 32, 4), 64: (16, 32, 4), 128: (16, 32, 8)}[BN]
+        # session 12's sweeps (two H200 runs each, 21 layers): 4 stages at 16 nodes 222 -> 212 us, 2 warps at 32 nodes
+        # 311 -> 303 us
+        BC, BV, warps = {16: (16, 16, 2), 32: (16, 32, 2), 64: (16, 32, 4), 128: (16, 32, 8)}[BN]
         BK = 32 if BN <= 32 else 64   # session 8's sweep: 21 layers 184 -> 163 us at 1 node, 357 -> 309 at 32
+        stages = 4 if BN == 16 else 3
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
-    # num_stages: Triton's default software pipelining of the K loop, named so that the sweep can vary it
+    # sweeps at 64 nodes: 420 -> 406 us for 21 layers on a drafted tree of depth 8 (session 12; at 32 nodes they took
+    # 23.3 us a layer against 20.4, at 16 nodes 15.7 against 15.3 with 4 stages); GPU-tested in every dtype
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=3, LATE_QK=BN >= 64, SWEEP_MAX=SWEEP_MAX)
+                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEP_MAX if BN == 64 else 0)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
