@@ -29,6 +29,9 @@ How the pieces are computed, and why:
   ``U = XR - (X L_O) U`` is resolved block row by block row (``NC - 1`` dots), like fla's 16x16 merge in
   ``solve_tril`` but without leaving registers. Padded nodes (N < BN) have zero k and v and no descendants, so they
   stay zero and are masked on store.
+- Or, for shallow trees at the sizes ``tree_config`` names (session 12: 64 nodes), by depth sweeps: ``L`` is
+  nilpotent of the tree's depth, so that many sweeps of ``U <- R - L U`` solve it exactly (``_sweep_solve``); deeper
+  trees take the block solve in the same kernel.
 """
 from __future__ import annotations
 
