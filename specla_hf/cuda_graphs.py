@@ -227,11 +227,11 @@ def capture(fn, emulate: bool = False, between=None):
     return graph
 
 
-def capture_or_warn(fn, what: str, fallback: str, emulate: bool = False):
+def capture_or_warn(fn, what: str, fallback: str, emulate: bool = False, between=None):
     """``capture(fn)``, or ``None`` with a warning if capturing fails: a failed capture costs speed, not correctness
     (the caller runs ``fn``'s work eagerly instead)."""
     try:
-        return capture(fn, emulate=emulate)
+        return capture(fn, emulate=emulate, between=between)
     except Exception as e:  # noqa: BLE001 - any capture failure: say so, go eager
         warnings.warn(f"SpecLA: capturing {what} in a CUDA graph failed ({type(e).__name__}: {str(e)[:200]}); "
                       f"{fallback} (slower)", RuntimeWarning)

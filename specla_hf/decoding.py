@@ -2,10 +2,14 @@
 
 Invariant: the target's cache has consumed every token of ``input_ids`` except the last (the *pending* token), which
 is the root of each draft tree. One target forward per step; accepted tokens are never run through the target again.
+Two loops: the host loop (``speculative_decode``: any acceptance rule, logits processor, threshold or drafter) and,
+for plain greedy decoding with a tree selected on the device, the device loop (``_decode_on_device``), which queues
+each step's acceptance, commit and next proposal before the host reads the step's tokens.
 """
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +18,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StopStringCriteria, StoppingCriteriaList)
 
-from specla_hf.cuda_graphs import to_device
+from specla_hf.cuda_graphs import _restore, _snapshot, capture_or_warn, to_device
 from specla_hf.drafting import DraftTree, DynamicTreeDrafter
 from specla_hf.gdn import GDNRunner
 
@@ -27,8 +31,10 @@ class SpecLAStats:
     new_tokens: int = 0
     draft_nodes: list[int] = field(default_factory=list)      # draft nodes verified per step
     accepted: list[int] = field(default_factory=list)         # draft tokens accepted per step
-    draft_time: float = 0.0               # host wall time launching and collecting proposals (GPU drafting included)
-    verify_time: float = 0.0              # host wall time of verify, acceptance, commit (GPU verify included)
+    # host wall time launching and collecting proposals (GPU drafting included), and of verify, acceptance, commit
+    # (GPU verify included); in the device loop the host waits only for each step's tokens, under verify_time
+    draft_time: float = 0.0
+    verify_time: float = 0.0
     total_time: float = 0.0
 
     @property
@@ -101,6 +107,66 @@ def accept_path(tree: DraftTree, logits: torch.Tensor | None, context: torch.Lon
             ctx = torch.cat([ctx, ctx.new_tensor([[choice]])], 1)
 
 
+@dataclass
+class DeviceAcceptance:
+    """``greedy_accept``'s result, on the device: what the commit, the drafter's catch-up and the host need."""
+    node: torch.Tensor        # [1] the last accepted node
+    length: torch.Tensor      # [1] nodes on its root path (the root included) = tokens emitted
+    path: torch.Tensor        # [cap] those nodes, root first (padded with ``node``)
+    emitted: torch.Tensor     # [cap] the accepted drafts, then the target's bonus token (padded with it)
+    packed: torch.Tensor      # [1 + cap] length, then emitted: what the host reads back
+
+
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, argmax: torch.Tensor,
+                  cap: int) -> DeviceAcceptance:
+    """``accept_path`` for plain greedy decoding as device tensor ops: static shapes, no host synchronisation.
+
+    ``tokens``/``parents`` ``[N]`` (node 0 the root; parents -1 for it and for padding nodes, which are never
+    accepted), ``ancestors [N, N]`` (row ``i``: ``i`` and its ancestors), ``argmax [N]`` the target's choice after
+    each node; ``cap`` bounds the path length. A node matches when its token is its parent's argmax and no earlier
+    sibling has that token (the host walk takes the first such child); it is accepted when every node on its root
+    path matches; the deepest accepted node ends the path (one per depth: at most one child of a node matches).
+    """
+    N = tokens.shape[0]
+    idx = torch.arange(N, device=tokens.device)
+    up = parents.clamp(min=0)
+    earlier_twin = ((parents[None, :] == parents[:, None]) & (tokens[None, :] == tokens[:, None])
+                    & (idx[None, :] < idx[:, None])).any(1)
+    match = torch.where(parents >= 0, (tokens == argmax[up]) & ~earlier_twin, idx == 0)
+    accepted = ~(ancestors & ~match[None, :]).any(1)
+    depth = ancestors.sum(1)
+    node = torch.where(accepted, depth, 0).argmax().view(1)
+    length = depth.index_select(0, node)
+    on_path = ancestors.index_select(0, node)[0]
+    slot = torch.where(on_path, depth - 1, cap)                # a path node's position; the rest to a spare slot
+    path = node.repeat(cap + 1).scatter(0, slot, idx)[:cap]
+    after = torch.cat([path[1:], node])                         # the node each emitted draft token comes from
+    emitted = torch.where(torch.arange(cap, device=idx.device) + 1 < length, tokens[after],
+                          argmax.index_select(0, node))
+    return DeviceAcceptance(node, length, path, emitted, torch.cat([length, emitted]))
+
+
+class _Readback:
+    """A step's emitted tokens copied to pinned host memory behind the work queued with them (an event): the host
+    waits for that step only, not for what was queued after it."""
+
+    def __init__(self, cap: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.empty(1 + cap, dtype=torch.long, pin_memory=cuda)
+        self.ready = torch.cuda.Event() if cuda else None
+
+    def queue(self, acc: DeviceAcceptance) -> None:
+        self.host.copy_(acc.packed, non_blocking=True)
+        if self.ready is not None:
+            self.ready.record()
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        n = int(self.host[0])
+        return self.host[1:1 + n].tolist()
+
+
 def speculative_decode(
     target: GDNRunner,
     drafter: DynamicTreeDrafter,
@@ -142,6 +208,12 @@ def speculative_decode(
                                   hidden_layers=feature_layers)
 
     launch_s = launch(host_ids)
+    if plain and not keep_scores and drafter.steps_on_device() and drafter.device_tree() is not None:
+        host_ids = _decode_on_device(target, drafter, cache, host_ids, verify, stopping_criteria, streamer, device,
+                                     stats, launch_s)
+        stats.new_tokens = host_ids.shape[1] - prompt_len
+        stats.total_time = time.perf_counter() - start
+        return host_ids.to(device), stats, [], []
     while True:
         t0 = time.perf_counter()
         # a tree selected on the device is verified before the host reads it back, so the GPU goes from drafting to
@@ -183,22 +255,124 @@ def speculative_decode(
         grown = torch.cat([host_ids, host_ids.new_tensor([emitted])], 1)
         with record_function("specla.launch"):
             launch_s = launch(grown)
-        # emit up to the first token after which EOS / max_length / any stopping criterion fires, exactly where plain
-        # decoding would stop
-        with record_function("specla.stop"):
-            stop = _stop_after(stopping_criteria, grown, host_ids.shape[1], device)
-        added = len(emitted) if stop is None else stop
-        host_ids = grown[:, :host_ids.shape[1] + added]
+        kept, stop = _emit(grown, host_ids.shape[1], stopping_criteria, streamer, device)
         if keep_scores:
+            added = kept.shape[1] - host_ids.shape[1]
             all_scores += scores[:added]
             all_logits += [logits[n:n + 1] for n in path[:added]]
-        if streamer is not None:
-            streamer.put(host_ids[:, -added:])
-        if stop is not None:
+        host_ids = kept
+        if stop:
             break
     stats.new_tokens = host_ids.shape[1] - prompt_len
     stats.total_time = time.perf_counter() - start
     return host_ids.to(device), stats, all_scores, all_logits
+
+
+class _StepTail:
+    """What follows a verify pass in the device loop: ``greedy_accept``, the target's commit of the accepted path and
+    the drafter's ``catch_up`` on it. About 40 small kernels: launched one by one they kept the GPU waiting for the
+    host ~0.25 ms a step (``benchmarks/step_timeline.py``), so with CUDA graphs they are one replay per verify graph
+    (its outputs, the tree buffers and the caches are static), captured on first use, as ``GraphedForward`` does:
+    the caches are snapshotted, the capture's warm-up and recording run, the snapshot is restored and the graph
+    replayed."""
+
+    def __init__(self, target: GDNRunner, drafter: DynamicTreeDrafter, cache, cap: int):
+        self.target, self.drafter, self.cache, self.cap = target, drafter, cache, cap
+        # kept on the target's runner per drafter runner (weakly: a drafter's graphs go with it)
+        self.graphs = (None if target.graphs is None else
+                       target.__dict__.setdefault("_step_tail_graphs", weakref.WeakKeyDictionary())
+                       .setdefault(drafter.runner, {}))
+
+    def _step(self, tokens: torch.Tensor, parents: torch.Tensor, out) -> DeviceAcceptance:
+        n = tokens.shape[1]
+        acc = greedy_accept(tokens[0], parents[0], self.cache.ancestors[0, :n, :n], out.logits[0].argmax(-1),
+                            self.cap)
+        self.cache.commit(acc.node, path_length=0)                  # the loop counts the positions
+        self.drafter.catch_up(out.hidden_states, acc)
+        return acc
+
+    def __call__(self, tokens: torch.Tensor, parents: torch.Tensor, out) -> DeviceAcceptance:
+        if self.graphs is None:
+            return self._step(tokens, parents, out)
+        static = (tokens, parents, out.logits, self.cache.ancestors, *out.hidden_states, self.cache.layers[0].k_hat)
+        key = (tokens.shape[1], *(t.data_ptr() for t in static))
+        if key not in self.graphs:
+            caches = (self.cache, self.drafter.cache)
+            saved = [_snapshot(c) for c in caches]
+
+            def restore():
+                for c, s in zip(caches, saved):
+                    _restore(c, s, None)
+            result = {}
+            graph = capture_or_warn(lambda: result.update(acc=self._step(tokens, parents, out)),
+                                    "a step's acceptance and the drafter's catch-up", "running them eagerly",
+                                    self.target.graphs.emulate, between=restore)
+            restore()
+            self.graphs[key] = (graph, result)
+        graph, result = self.graphs[key]
+        if graph is None:
+            return self._step(tokens, parents, out)
+        graph.replay()
+        self.cache.discard()                  # the Python side of the recorded commit (the drafter keeps none)
+        return result["acc"]
+
+
+def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, host_ids: torch.LongTensor, verify,
+                      stopping_criteria: StoppingCriteriaList, streamer, device: torch.device, stats: SpecLAStats,
+                      launch_s: float) -> torch.LongTensor:
+    """The loop for plain greedy decoding with a proposal selected on the device (``drafter.steps_on_device``): only
+    each step's emitted tokens cross to the host. A step's acceptance (``greedy_accept``), its commit, the drafter's
+    catch-up, the next proposal and its verify pass are all queued before the host reads that step's tokens, so the
+    GPU runs step ``i + 1`` while the host checks step ``i`` against the stopping criteria; the step after the last
+    is dropped, as in the host loop. The host is one step behind the device: it tells the caches how many positions
+    a step committed when it reads them. Tokens equal the host loop's (``greedy_accept`` is ``accept_path``); the
+    drafter's catch-up runs as a chain verify, so drafts may differ from the host loop's by rounding."""
+    cap = drafter.options.depth + 1
+    readback, tail = _Readback(cap, target.device), _StepTail(target, drafter, cache, cap)
+    tokens, parents = drafter.device_tree()
+    out = verify(tokens, parents)
+    while True:
+        t0 = time.perf_counter()
+        with record_function("specla.accept"):
+            n = tokens.shape[1]
+            acc = tail(tokens, parents, out)        # acceptance, commit, the drafter's catch-up
+            readback.queue(acc)
+        t1 = time.perf_counter()
+        with record_function("specla.launch"):
+            drafter.launch_caught_up()
+        t2 = time.perf_counter()
+        tokens, parents = drafter.device_tree()
+        out = verify(tokens, parents)
+        with record_function("specla.collect"):
+            emitted = readback.read()                               # the step before the one just queued
+        cache.seq_length += len(emitted)
+        drafter.advance(len(emitted))
+        stats.draft_time += launch_s + t2 - t1
+        stats.verify_time += time.perf_counter() - t2 + t1 - t0
+        launch_s = 0.0
+        stats.target_calls += 1
+        stats.steps += 1
+        stats.draft_nodes.append(n - 1)
+        stats.accepted.append(len(emitted) - 1)
+        drafter.observe(emitted[:-1])
+        host_ids, stop = _emit(torch.cat([host_ids, host_ids.new_tensor([emitted])], 1), host_ids.shape[1],
+                               stopping_criteria, streamer, device)
+        if stop:
+            cache.discard()                                          # the verify pass queued after the last step
+            return host_ids
+
+
+def _emit(grown: torch.LongTensor, first_new: int, stopping_criteria: StoppingCriteriaList, streamer,
+          device: torch.device) -> tuple[torch.LongTensor, bool]:
+    """``grown`` (host) cut after the first token after which EOS / max_length / any stopping criterion fires, exactly
+    where plain decoding would stop, and whether one fired; the kept new tokens go to ``streamer``. ``device``: where
+    criteria that are not stateless see the sequence (``_stop_after``)."""
+    with record_function("specla.stop"):
+        stop = _stop_after(stopping_criteria, grown, first_new, device)
+    kept = grown if stop is None else grown[:, :first_new + stop]
+    if streamer is not None:
+        streamer.put(kept[:, first_new:])
+    return kept, stop is not None
 
 
 # transformers' criteria that look at nothing but the sequence they are given (and the clock)

@@ -279,18 +279,48 @@ class DynamicTreeDrafter(CandidateGenerator):
         score is read back one depth late (the host waits for depth ``d - 1`` while depth ``d`` runs), and the extra
         depth costs nothing in the tree: its candidates score no higher than their parents, so ``collect`` prunes
         them all."""
-        threshold = self.threshold
-        log_threshold = _log(threshold)
-        depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
         b = self.buffers = self._buffers()
         b.reset()
         copy_in(b.tokens[:1], input_ids[0, -1:])
         root_logp = self.start(input_ids)
-        root_consumed = root_logp is not None
-        if root_consumed:
-            if b.root_logp is None:
-                b.root_logp = torch.empty_like(root_logp)       # static: the depth-1 graph reads it
-            b.root_logp.copy_(root_logp)
+        if root_logp is not None:
+            self._root_logp(root_logp.shape[-1]).copy_(root_logp)
+        self._expand(root_logp is not None, max_depth, input_ids[0, -1:])
+
+    # ---- proposals the host does not wait for (``speculative_decode``'s device loop) ----
+    def steps_on_device(self) -> bool:
+        """Whether ``catch_up`` can follow a step accepted on the device: drafters that implement it, when they
+        select their tree on the device (no confidence threshold)."""
+        return False
+
+    def catch_up(self, features: tuple[torch.Tensor, ...], accepted) -> None:
+        """``add_features`` and ``start`` after a step whose accepted path (``decoding.DeviceAcceptance``) is known
+        only on the device, in static shapes and without host synchronisation (the device loop captures it in a CUDA
+        graph with the step's acceptance); ``launch_caught_up`` then drafts from the new root."""
+        raise NotImplementedError
+
+    def launch_caught_up(self) -> None:
+        """``launch``'s depths and selection after ``catch_up``."""
+        self._expand(True, None, self.buffers.tokens[:1])
+
+    def advance(self, n: int) -> None:
+        """The host learns that the step before the last ``catch_up`` emitted ``n`` tokens."""
+        raise NotImplementedError
+
+    def _root_logp(self, vocab: int) -> torch.Tensor:
+        """The static tensor the depth-1 graph reads the root's draft log-probs from."""
+        b = self.buffers
+        if b.root_logp is None:
+            b.root_logp = torch.empty(vocab, dtype=torch.float32, device=b.tokens.device)
+        return b.root_logp
+
+    def _expand(self, root_consumed: bool, max_depth: int | None, root: torch.Tensor) -> None:
+        """The depths of the launched proposal (see ``launch``), then its selection on the device when there is no
+        threshold; ``root``: the root's token (host or device), which ``collect`` reads for the host selection."""
+        b = self.buffers
+        threshold = self.threshold
+        log_threshold = _log(threshold)
+        depth_limit = self.depth if max_depth is None else max(0, min(self.depth, max_depth))
         depths = 0
         for d in range(1, depth_limit + 1):
             self._run(("depth", d, root_consumed), lambda d=d: self._depth_step(d, root_consumed),
@@ -306,7 +336,7 @@ class DynamicTreeDrafter(CandidateGenerator):
             self._run(("select", depths, budget), lambda: b.select_tree(depths, budget), "the tree selection")
             b.queue_tree()
             selected = 1 + min(budget, K + (depths - 1) * K * K)
-        self._launched = (input_ids[0, -1:], depths, log_threshold, selected)
+        self._launched = (root, depths, log_threshold, selected)
 
     def device_tree(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The launched proposal's tree as device tensors ``(tokens [1, N], parents [1, N])`` when it was selected on
@@ -368,12 +398,14 @@ class DynamicTreeDrafter(CandidateGenerator):
     def observe(self, accepted_tokens: list[int]) -> None:
         """After verification: adapt threshold and depth to how many drafts were accepted. (Drafters keep nothing
         pending between steps: the next ``start`` consumes the accepted tokens.)"""
+        if not self.options.adaptive:
+            return
         tree = self.last_tree
-        if self.options.adaptive and tree is not None and len(tree) > 1:
+        if tree is not None and len(tree) > 1:
             self.calibration.update(tree.log_probs[1:].exp().sum().item(), len(accepted_tokens))
-            full = len(accepted_tokens) >= max(self.depth - 1, 1)
-            # HF's "heuristic" schedule, bounded by the configured depth
-            self.depth = min(self.depth + 2, self.options.depth) if full else max(self.depth - 1, 2)
+        full = len(accepted_tokens) >= max(self.depth - 1, 1)
+        # HF's "heuristic" schedule, bounded by the configured depth
+        self.depth = min(self.depth + 2, self.options.depth) if full else max(self.depth - 1, 2)
 
     # ---- transformers' CandidateGenerator interface (a chain of the best path) ----
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:

@@ -298,6 +298,8 @@ class EagleDrafter(DynamicTreeDrafter):
             H = self.drafter.config.hidden_size
             b.fused = torch.zeros(1, b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
             b.hidden = torch.zeros(b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
+            # ``catch_up``'s chain, as long as the longest accepted path (static: step graphs read it)
+            b.chain = torch.arange(-1, self.options.depth, device=self.drafter.device)[None]
         return b
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
@@ -331,6 +333,30 @@ class EagleDrafter(DynamicTreeDrafter):
     def add_nodes(self, first: int, parents: torch.Tensor) -> None:
         b = self.buffers
         b.fused[0, first:first + parents.shape[0]] = b.hidden[parents]              # parents' outputs (EAGLE)
+
+    # ---- steps accepted on the device (``speculative_decode``'s device loop) ----
+    def steps_on_device(self) -> bool:
+        return self.threshold <= 0
+
+    def catch_up(self, features: tuple[torch.Tensor, ...], accepted) -> None:
+        """``add_features`` and ``start`` for a path accepted on the device (``accepted``: a ``DeviceAcceptance``),
+        in static shapes: the features of all ``depth + 1`` path slots are fused, and the drafter verifies them as a
+        chain of that many nodes from its committed state (slots past the path's end are computed and never
+        committed), commits the path's last node and sets the root of the next proposal from it. The chain verify
+        replaces ``start``'s sequence-mode catch-up: the same recurrence, up to summation order."""
+        b = self.buffers = self._buffers()
+        b.reset()
+        fused = self._fuse(tuple(f.index_select(1, accepted.path) for f in features))
+        out = self.runner._forward((fused, accepted.emitted[None]), self.cache, b.chain, None, ())
+        last = accepted.length - 1
+        self.cache.commit(last, path_length=0)                          # ``advance`` counts the positions
+        self._root_logp(out.logits.shape[-1]).copy_(out.logits[0].index_select(0, last)[0])
+        b.hidden[0].copy_(out.hidden_states[0][0].index_select(0, last)[0])     # what the root's children read
+        b.tokens[:1].copy_(accepted.emitted.index_select(0, last))              # the bonus token is the root
+
+    def advance(self, n: int) -> None:
+        self.consumed += n
+        self.cache.seq_length += n
 
 
 AutoConfig.register(SpecLADrafterConfig.model_type, SpecLADrafterConfig)

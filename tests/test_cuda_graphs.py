@@ -61,27 +61,32 @@ def test_graphed_eagle_drafter_is_lossless_and_drafts_as_eager():
     drafter = SpecLADrafter(SpecLADrafterConfig.for_target(model.config, num_heads=2, head_dim=16)).eval()
     ids = torch.randint(0, 97, (1, 11))
     plain = model.generate(ids, max_new_tokens=25, do_sample=False)
+    # no threshold: decoding's device loop (the tree selected on the device); a threshold: the host loop
+    settings = [(tree, threshold) for tree in (False, True) for threshold in (0.0, 0.05)]
     eager = {}
-    for tree in (False, True):
+    for tree, threshold in settings:
         assert torch.equal(model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=drafter,
-                                          tree=tree, confidence_threshold=0.0), plain)
-        eager[tree] = model.specla_stats
-    emulate_graphs(model, "target")
+                                          tree=tree, confidence_threshold=threshold), plain)
+        eager[tree, threshold] = model.specla_stats
+    target_runner = emulate_graphs(model, "target")
     runner = _BlockRunner.for_drafter(drafter, model)
     runner.graphs = GraphedForward(runner, emulate=True, max_seq_tokens=DRAFT_SEQ_TOKENS)
     runner.bucket_trees = True
     for trial in range(2):                         # the second generate() replays the first one's graphs
-        for tree in (False, True):
+        for tree, threshold in settings:
             spec = model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=drafter, tree=tree,
-                                  confidence_threshold=0.0)
-            assert torch.equal(spec, plain), (trial, tree)
+                                  confidence_threshold=threshold)
+            assert torch.equal(spec, plain), (trial, tree, threshold)
             # padding the drafter's trees to buckets and replaying graphs drafts exactly what eager drafting does
-            assert model.specla_stats.draft_nodes == eager[tree].draft_nodes
-            assert model.specla_stats.accepted == eager[tree].accepted
+            assert model.specla_stats.draft_nodes == eager[tree, threshold].draft_nodes
+            assert model.specla_stats.accepted == eager[tree, threshold].accepted
     assert _BlockRunner.for_drafter(drafter, model) is runner and runner.graphs.graphs
     keys = list(runner.graphs.graphs)
     assert any(k[1] is None and k[0] > 1 for k in keys)      # catch-up sequence calls are graphed too
     assert any(isinstance(n, int) for graphs in runner._feature_graphs.values() for n in graphs)   # and the fusion
+    # the device loop's acceptance, commit and catch-up: one graph per verify graph, replayed
+    tails = target_runner._step_tail_graphs[runner]
+    assert tails and all(graph is not None for graph, _ in tails.values())
 
 
 def test_a_failed_capture_falls_back_to_eager_with_a_warning(monkeypatch):

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList, TemperatureLogitsWarper
-from transformers import TopKLogitsWarper
+from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TopKLogitsWarper
 
 import test_generate
 from conftest import tiny_gdn
-from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig
+from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig, speculative_decode
 from specla_hf.drafting import DraftBuffers
 from specla_hf.eagle import EagleDrafter
 from specla_hf.generation import draft_options
@@ -177,6 +177,70 @@ def test_greedy_identical_to_plain(target, drafter, tree):
                                confidence_threshold=0.0, **extra)
         assert torch.equal(spec, plain), (trial, n_prompt, n_new)
         assert sum(target.specla_stats.draft_nodes) > 0 or n_new == 1
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The embedded default target and its trained drafter: long accepted paths, as on real text."""
+    from specla_hf.defaults import load_models
+    return load_models()
+
+
+def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monkeypatch):
+    """Plain greedy with the tree selected on the device runs decoding's device loop, whose host reads each step's
+    tokens after the next step is queued: EOS inside an accepted block, a stateful stopping criterion, the streamer
+    and exact max_new_tokens behave as in plain decoding, and the caches count every committed position."""
+    from specla_hf import decoding
+    target, drafter, tok = shipped.target, shipped.drafter, shipped.tokenizer
+    used = []
+    loop = decoding._decode_on_device
+    monkeypatch.setattr(decoding, "_decode_on_device", lambda *a, **k: used.append(1) or loop(*a, **k))
+    ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
+    free = target.generate(ids, max_new_tokens=48, do_sample=False)
+    assert torch.equal(target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter, tree=True),
+                       free) and used
+    accepted = target.specla_stats.accepted
+    # EOS = the second token of the last step that accepted >= 3 drafts and emitted it first
+    starts = [ids.shape[1] + sum(a + 1 for a in accepted[:i]) for i in range(len(accepted))]
+    first, eos = [(at, int(free[0, at + 1])) for at, a in zip(starts, accepted)
+                  if a >= 3 and at + a < free.shape[1]
+                  and int(free[0, at + 1]) not in free[0, ids.shape[1]:at + 1].tolist()][-1]
+    assert first > starts[1]                                  # not the first step: the host was a step behind
+    plain = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    spec = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+                           assistant_model=drafter, tree=True)
+    assert torch.equal(spec, plain) and spec.shape[1] == first + 2
+    assert target.specla_stats.accepted[-1] >= 3             # the stop fell inside a block of accepted drafts
+
+    class StopAt(StoppingCriteria):                          # a user criterion keeps state
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append(input_ids.shape[1])
+            return input_ids[:, -1] == eos
+    stop = StopAt()
+    stop.seen = []
+    spec = target.generate(ids, max_new_tokens=48, do_sample=False, stopping_criteria=StoppingCriteriaList([stop]),
+                           assistant_model=drafter, tree=True)
+    assert torch.equal(spec, plain) and stop.seen == list(range(ids.shape[1] + 1, spec.shape[1] + 1))
+    streamed = test_generate.Collect()
+    for n in (1, 2, 9, 23):
+        out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=drafter, tree=True,
+                              streamer=streamed)
+        assert torch.equal(out, free[:, :ids.shape[1] + n])
+        assert sum(streamed.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
+        streamed.chunks = []
+    # the caches: every position the target committed (the last step's whole path), none pending, the drafter level
+    runner, caches = GDNRunner(target), []
+    new_cache = runner.new_cache
+    runner.new_cache = lambda batch_size=1: caches.append(new_cache(batch_size)) or caches[-1]
+    eagle = drafter.candidate_generator(target, draft_options(tree=True))
+    n_new = 30
+    seq, stats, _, _ = speculative_decode(runner, eagle, ids, LogitsProcessorList(),
+                                          StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + n_new)]), False,
+                                          ids.shape[1] + n_new)
+    assert torch.equal(seq, free[:, :ids.shape[1] + n_new])
+    committed = ids.shape[1] - 1 + sum(a + 1 for a in stats.accepted)
+    assert caches[0].seq_length == eagle.consumed == eagle.cache.seq_length == committed >= seq.shape[1] - 1
+    assert caches[0].num_pending == 0 and eagle.cache.num_pending == 0
 
 
 def test_tree_sampling_is_lossless(monkeypatch):

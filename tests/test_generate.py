@@ -250,3 +250,38 @@ def test_tree_padding_buckets_are_inert(bad_drafter):
     finally:
         for role, m in (("target", model), ("drafter", bad_drafter), ("drafter", model)):
             GDNRunner.for_model(m, role).bucket_trees = False
+
+
+def _random_tree(n: int, vocab: int, gen: torch.Generator, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random tree of ``n`` nodes plus ``pad`` inert padding nodes (parent -1, as the runner pads buckets); tokens
+    from a small vocabulary, so siblings often share one (the host walk takes the first)."""
+    parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)] + [-1] * pad
+    return torch.randint(0, vocab, (n + pad,), generator=gen), torch.tensor(parents)
+
+
+def test_greedy_accept_is_the_host_walk():
+    """The device acceptance of the device loop picks the node, path and tokens ``accept_path`` picks: random trees
+    (chains, stars, bushy, with padding), argmax that often matches a child, twin siblings."""
+    from specla_hf.decoding import DraftTree, _path_nodes, accept_path, greedy_accept
+    from specla_kernels.reference import tree_ancestors
+    gen = torch.Generator().manual_seed(8)
+    seen_lengths = set()
+    for trial in range(300):
+        n = int(torch.randint(1, 40, (), generator=gen))
+        pad = int(torch.randint(0, 3, (), generator=gen))
+        tokens, parents = _random_tree(n, 3, gen, pad)
+        if trial % 5 == 0:
+            parents[1:n] = torch.arange(n - 1)                  # a chain
+        elif trial % 5 == 1:
+            parents[1:n] = 0                                    # a star
+        # each node's argmax: often one of its children's tokens
+        argmax = torch.randint(0, 3, (n + pad,), generator=gen)
+        tree = DraftTree(tokens[:n], parents[:n], torch.zeros(n))
+        node, emitted, _ = accept_path(tree, None, None, LogitsProcessorList(), False, argmax[:n].tolist())
+        path = _path_nodes(tree, node)
+        cap = len(path) + int(torch.randint(0, 3, (), generator=gen))
+        acc = greedy_accept(tokens, parents, tree_ancestors(parents[None])[0], argmax, cap)
+        assert int(acc.node) == node and int(acc.length) == len(path), trial
+        assert acc.path[:len(path)].tolist() == path and acc.emitted[:len(path)].tolist() == emitted, trial
+        seen_lengths.add(len(path))
+    assert len(seen_lengths) >= 5                              # deep acceptances were exercised, not only the root

@@ -358,6 +358,41 @@ def test_commit_all_layers_in_one_launch(device, kind):
         commit_(parents, accepted, windows=([layers[0]["x"], layers[1]["x"][:, :, :-1]], windows[:2]))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_commit_captured_with_factors_made_inside_the_capture():
+    """A CUDA graph whose commit reads factors allocated inside the capture (the device loop's drafter catch-up):
+    the warm-up's tensors had other addresses, so the address tables are written by kernels the graph replays (a
+    host copy cannot be captured); each replay commits what the reference commits, for the accepted node of the
+    replay."""
+    gen = seeded("captured")
+    _, H, HV, K, V = SHAPES["cuda"][0]
+    Nt = 9
+    parents = torch.arange(-1, Nt - 1, device="cuda")[None]
+    src = dict(k_hat=ref.l2norm(torch.randn(1, Nt, H, K, generator=gen)), u=torch.randn(1, Nt, HV, V, generator=gen),
+               g=-torch.rand(1, Nt, HV, generator=gen) * 0.3)
+    src = {k: t.cuda() for k, t in src.items()}
+    state0 = torch.randn(1, HV, V, K, generator=gen).cuda()
+    state, accepted = state0.clone(), torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def commit():
+        k_hat, u, g = (src[name] * 1 for name in ("k_hat", "u", "g"))     # made here: new addresses each capture
+        commit_(parents, accepted, states=([state], [k_hat], [u], [g]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        commit()                                                           # warm-up (compile)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        commit()
+    for m in (3, 8, 0):
+        state.copy_(state0)
+        accepted.fill_(m)
+        graph.replay()
+        want = ref.commit_state_ref(state0, src["k_hat"], src["u"], src["g"], parents, accepted)
+        check(state, want, 1e-3, f"state after accepting node {m}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # short convolution
 # ----------------------------------------------------------------------------------------------------------------

@@ -178,14 +178,21 @@ _CAPTURED: dict[tuple, torch.Tensor] = {}     # tables a captured CUDA graph rea
 
 def _address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
     """int64 base addresses of ``tensors`` on their device, cached by address (a decoding loop reuses its buffers).
-    Under CUDA-graph capture the table must exist already (a warm-up call made it); it is then kept for good."""
+    A table a captured CUDA graph reads is kept for good. Under capture a missing table (of tensors the captured
+    code made itself, at addresses its warm-up did not use) is written by fill kernels the graph replays: a copy
+    from pageable host memory cannot be captured."""
     key = (tensors[0].device, *(t.data_ptr() for t in tensors))
+    capturing = tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()
     table = _CAPTURED.get(key, _TABLES.get(key))
-    if table is None:
+    if table is None and capturing:
+        table = torch.empty(len(tensors), dtype=torch.int64, device=tensors[0].device)
+        for row, address in zip(table, key[1:]):
+            row.fill_(address)
+    elif table is None:
         if len(_TABLES) > 1024:
             _TABLES.clear()
         table = _TABLES[key] = torch.tensor(key[1:], dtype=torch.int64, device=tensors[0].device)
-    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing:
         _CAPTURED[key] = table
     return table
 
