@@ -23,6 +23,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -61,18 +62,15 @@ class Timeline:
 
     @contextlib.contextmanager
     def active(self):
-        replay, rf = torch.cuda.CUDAGraph.replay, decoding.record_function
-        timeline = self
+        replay, timeline = torch.cuda.CUDAGraph.replay, self
 
         def timed_replay(graph):
             timeline._mark("graph_start", timeline.phase)
             replay(graph)
             timeline._mark("graph_end", timeline.phase)
-        torch.cuda.CUDAGraph.replay, decoding.record_function = timed_replay, self.record_function
-        try:
+        with mock.patch.object(torch.cuda.CUDAGraph, "replay", timed_replay), \
+                mock.patch.object(decoding, "record_function", self.record_function):
             yield self
-        finally:
-            torch.cuda.CUDAGraph.replay, decoding.record_function = replay, rf
 
     def totals(self) -> dict:
         """Milliseconds summed over the decoding loop of the call(s) recorded (from the first verify phase on: the
@@ -109,18 +107,6 @@ def summary(totals: list[dict], steps: int) -> dict:
             "between_graphs_ms_per_step": per(wall - in_graphs),
             "gaps_before_phase_ms_per_step": {k: per(v) for k, v in gaps.most_common()},
             "phase_gpu_span_ms_per_step": {k: per(v) for k, v in spans.items()}}
-
-
-@contextlib.contextmanager
-def patched(owner, name: str, value, active: bool = True):
-    """``owner.name = value`` inside the block (nothing when not ``active``)."""
-    old = getattr(owner, name)
-    if active:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
 
 
 def load_prompts(eval_dir: Path, sets: list[str], per_set: int) -> dict[str, list[str]]:
@@ -160,7 +146,8 @@ def main() -> None:
     def generate(ids, kw):
         kw = dict(kw)
         # the host loop: plain greedy with every step's acceptance walked on the host (decoding's general loop)
-        with patched(EagleDrafter, "steps_on_device", lambda self: False, kw.pop("host_loop", False)):
+        host_loop = kw.pop("host_loop", False)
+        with mock.patch.object(EagleDrafter, "catches_up_on_device", False) if host_loop else contextlib.nullcontext():
             big.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                          do_sample=False, assistant_model=drafter, tree=True, confidence_threshold=0.0, **kw)
         return big.specla_stats

@@ -72,6 +72,26 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+class HostCopy:
+    """A device tensor's copy into pinned host memory, queued like a kernel behind the work before it (an event on
+    CUDA): ``read`` waits for that copy only, not for work queued after it."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.empty(shape, dtype=dtype, pin_memory=cuda)
+        self.ready = torch.cuda.Event() if cuda else None
+
+    def queue(self, src: torch.Tensor) -> None:
+        self.host.copy_(src, non_blocking=True)
+        if self.ready is not None:
+            self.ready.record()
+
+    def read(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
+
+
 def tree_bucket(n: int) -> int:
     """Smallest power of two >= n (so a handful of graphs serve every tree size)."""
     return 1 << max(0, (n - 1).bit_length())

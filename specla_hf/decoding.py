@@ -18,7 +18,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StopStringCriteria, StoppingCriteriaList)
 
-from specla_hf.cuda_graphs import _restore, _snapshot, capture_or_warn, to_device
+from specla_hf.cuda_graphs import HostCopy, _restore, _snapshot, capture_or_warn, to_device
 from specla_hf.drafting import DraftTree, DynamicTreeDrafter
 from specla_hf.gdn import GDNRunner
 
@@ -146,27 +146,6 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
     return DeviceAcceptance(node, length, path, emitted, torch.cat([length, emitted]))
 
 
-class _Readback:
-    """A step's emitted tokens copied to pinned host memory behind the work queued with them (an event): the host
-    waits for that step only, not for what was queued after it."""
-
-    def __init__(self, cap: int, device: torch.device):
-        cuda = device.type == "cuda"
-        self.host = torch.empty(1 + cap, dtype=torch.long, pin_memory=cuda)
-        self.ready = torch.cuda.Event() if cuda else None
-
-    def queue(self, acc: DeviceAcceptance) -> None:
-        self.host.copy_(acc.packed, non_blocking=True)
-        if self.ready is not None:
-            self.ready.record()
-
-    def read(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        n = int(self.host[0])
-        return self.host[1:1 + n].tolist()
-
-
 def speculative_decode(
     target: GDNRunner,
     drafter: DynamicTreeDrafter,
@@ -208,7 +187,7 @@ def speculative_decode(
                                   hidden_layers=feature_layers)
 
     launch_s = launch(host_ids)
-    if plain and not keep_scores and drafter.steps_on_device() and drafter.device_tree() is not None:
+    if plain and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
         host_ids = _decode_on_device(target, drafter, cache, host_ids, verify, stopping_criteria, streamer, device,
                                      stats, launch_s)
         stats.new_tokens = host_ids.shape[1] - prompt_len
@@ -320,15 +299,17 @@ class _StepTail:
 def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, host_ids: torch.LongTensor, verify,
                       stopping_criteria: StoppingCriteriaList, streamer, device: torch.device, stats: SpecLAStats,
                       launch_s: float) -> torch.LongTensor:
-    """The loop for plain greedy decoding with a proposal selected on the device (``drafter.steps_on_device``): only
-    each step's emitted tokens cross to the host. A step's acceptance (``greedy_accept``), its commit, the drafter's
-    catch-up, the next proposal and its verify pass are all queued before the host reads that step's tokens, so the
-    GPU runs step ``i + 1`` while the host checks step ``i`` against the stopping criteria; the step after the last
-    is dropped, as in the host loop. The host is one step behind the device: it tells the caches how many positions
-    a step committed when it reads them. Tokens equal the host loop's (``greedy_accept`` is ``accept_path``); the
-    drafter's catch-up runs as a chain verify, so drafts may differ from the host loop's by rounding."""
+    """The loop for plain greedy decoding with a proposal selected on the device and a drafter that catches up there
+    (``catches_up_on_device``): only each step's emitted tokens cross to the host. A step's acceptance
+    (``greedy_accept``), its commit, the drafter's catch-up, the next proposal and its verify pass are all queued
+    before the host reads that step's tokens, so the GPU runs step ``i + 1`` while the host checks step ``i`` against
+    the stopping criteria; the step after the last is dropped, as in the host loop. The host is one step behind the
+    device: it tells the caches how many positions a step committed when it reads them. Tokens equal the host loop's
+    (``greedy_accept`` is ``accept_path``); the drafter's catch-up runs as a chain verify, so drafts may differ from
+    the host loop's by rounding."""
     cap = drafter.options.depth + 1
-    readback, tail = _Readback(cap, target.device), _StepTail(target, drafter, cache, cap)
+    # each step's emitted tokens: read one step behind the device
+    readback, tail = HostCopy((1 + cap,), torch.long, target.device), _StepTail(target, drafter, cache, cap)
     tokens, parents = drafter.device_tree()
     out = verify(tokens, parents)
     while True:
@@ -336,7 +317,7 @@ def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, hos
         with record_function("specla.accept"):
             n = tokens.shape[1]
             acc = tail(tokens, parents, out)        # acceptance, commit, the drafter's catch-up
-            readback.queue(acc)
+            readback.queue(acc.packed)
         t1 = time.perf_counter()
         with record_function("specla.launch"):
             drafter.launch_caught_up()
@@ -344,7 +325,8 @@ def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, hos
         tokens, parents = drafter.device_tree()
         out = verify(tokens, parents)
         with record_function("specla.collect"):
-            emitted = readback.read()                               # the step before the one just queued
+            length, *emitted = readback.read().tolist()            # the step before the one just queued
+            emitted = emitted[:length]
         cache.seq_length += len(emitted)
         drafter.advance(len(emitted))
         stats.draft_time += launch_s + t2 - t1

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from specla_hf.cuda_graphs import MAX_TREE_BUCKET, capture_or_warn, copy_in, tree_bucket
+from specla_hf.cuda_graphs import MAX_TREE_BUCKET, HostCopy, capture_or_warn, copy_in, tree_bucket
 from specla_kernels import ops
 
 
@@ -87,10 +87,8 @@ class DraftBuffers:
         self.cand_score, self.cand_token, self.cand_parent = self.cand.unbind(0)
         self.frontier_score = torch.zeros(depth + 1, K, device=device)      # cumulative log-prob per frontier node
         self.frontier_cand = torch.full((depth + 1, K), -1, dtype=torch.long, device=device)  # its candidate index
-        # each depth's best candidate score, read back (pinned host memory + an event on CUDA) for early stopping
-        cuda = device.type == "cuda"
-        self.best = torch.empty(depth, dtype=torch.float64, pin_memory=cuda)
-        self.best_ready = [torch.cuda.Event() if cuda else None for _ in range(depth)]
+        # each depth's best candidate score, read back for early stopping
+        self.best = [HostCopy((1,), torch.float64, device) for _ in range(depth)]
         # the selected tree (``select_tree``): tokens, parents, cumulative log-probs; long copies feed the verify pass,
         # the float64 rows are read back to the host in one transfer
         most = 1 + K + (depth - 1) * K * K                 # the root and every candidate
@@ -99,21 +97,16 @@ class DraftBuffers:
         self.tree = torch.zeros(3, most, dtype=torch.float64, device=device)
         self.tree_tokens = torch.zeros(most, dtype=torch.long, device=device)
         self.tree_parents = torch.full((most,), -1, dtype=torch.long, device=device)
-        self.tree_host = torch.empty(3, most, dtype=torch.float64, pin_memory=cuda)
-        self.tree_ready = torch.cuda.Event() if cuda else None
+        self.tree_host = HostCopy((3, most), torch.float64, device)
         self.root_logp: torch.Tensor | None = None    # the root's draft log-probs when ``start`` consumed it
 
     def queue_best(self, d: int) -> None:
         """Start reading depth ``d``'s best candidate score back to the host (``read_best``)."""
-        self.best[d - 1:d].copy_(self.cand_score[d - 1].max().view(1), non_blocking=True)
-        if self.best_ready[d - 1] is not None:
-            self.best_ready[d - 1].record()
+        self.best[d - 1].queue(self.cand_score[d - 1].max().view(1))
 
     def read_best(self, d: int) -> float:
         """Depth ``d``'s best candidate score; waits for depth ``d`` only, not for work queued after it."""
-        if self.best_ready[d - 1] is not None:
-            self.best_ready[d - 1].synchronize()
-        return float(self.best[d - 1])
+        return float(self.best[d - 1].read())
 
     def reset(self) -> None:
         """Padding slots must stay inert (children of the committed state) whatever an earlier proposal wrote."""
@@ -147,15 +140,11 @@ class DraftBuffers:
 
     def queue_tree(self) -> None:
         """Start reading the selected tree back to the host (``read_tree``)."""
-        self.tree_host.copy_(self.tree, non_blocking=True)
-        if self.tree_ready is not None:
-            self.tree_ready.record()
+        self.tree_host.queue(self.tree)
 
     def read_tree(self, n: int) -> DraftTree:
         """The selected tree of ``n`` nodes; waits for the selection only, not for work queued after it."""
-        if self.tree_ready is not None:
-            self.tree_ready.synchronize()
-        tokens, parents, log_probs = self.tree_host[:, :n]
+        tokens, parents, log_probs = self.tree_host.read()[:, :n]
         return DraftTree(tokens.long(), parents.long(), log_probs.clone())
 
 
@@ -288,10 +277,9 @@ class DynamicTreeDrafter(CandidateGenerator):
         self._expand(root_logp is not None, max_depth, input_ids[0, -1:])
 
     # ---- proposals the host does not wait for (``speculative_decode``'s device loop) ----
-    def steps_on_device(self) -> bool:
-        """Whether ``catch_up`` can follow a step accepted on the device: drafters that implement it, when they
-        select their tree on the device (no confidence threshold)."""
-        return False
+    # whether the drafter implements ``catch_up`` and ``advance``: the device loop then runs whenever its tree is
+    # selected on the device (``device_tree``, no confidence threshold)
+    catches_up_on_device: bool = False
 
     def catch_up(self, features: tuple[torch.Tensor, ...], accepted) -> None:
         """``add_features`` and ``start`` after a step whose accepted path (``decoding.DeviceAcceptance``) is known

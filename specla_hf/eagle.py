@@ -335,8 +335,7 @@ class EagleDrafter(DynamicTreeDrafter):
         b.fused[0, first:first + parents.shape[0]] = b.hidden[parents]              # parents' outputs (EAGLE)
 
     # ---- steps accepted on the device (``speculative_decode``'s device loop) ----
-    def steps_on_device(self) -> bool:
-        return self.threshold <= 0
+    catches_up_on_device = True
 
     def catch_up(self, features: tuple[torch.Tensor, ...], accepted) -> None:
         """``add_features`` and ``start`` for a path accepted on the device (``accepted``: a ``DeviceAcceptance``),
