@@ -1,6 +1,6 @@
 """GPU microbenchmark of the decode step's fused GEMVs (``specla_kernels.gemv``) at the fla 1.3B GDN shape, bf16.
 
-    python benchmarks/bench_gemv.py
+    python benchmarks/bench_gemv.py [--configs | --scaling]
 
 For each product of a one-token step (input projection with norm + conv, output projection with gated norm, MLP
 gate|up with residual add + norm, down projection with SwiGLU + residual, LM head with norm), it checks the fused
@@ -9,10 +9,13 @@ back to back in one CUDA graph as a model's 21 layers run (so weights stream fro
 reports the weight bandwidth of each; the fused chain once more with programmatic dependent launch off (each kernel
 waiting for the previous one to end), once with the row-owner kernel and once with split-K at each of ``SPLITS``
 columns per program. cuBLAS does the product only: the fused ops it leaves out are separate kernels in the unfused
-step. With ``$OUT`` set it writes ``$OUT/bench_gemv.json``.
+step. With ``$OUT`` set it writes ``$OUT/bench_gemv.json``. ``--configs`` also times the row-owner kernel at each
+of its tuned launch shapes; ``--scaling`` times plain products of 1024..32768 rows instead (``scaling``) and writes
+``$OUT/bench_gemv_scaling.json``.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 import triton
 
 from specla_kernels import pdl, reference as ref
-from specla_kernels.gemv import _tuned_kernel, _tuned_split, gemv
+from specla_kernels.gemv import _configs, _tuned_kernel, _tuned_split, gemv
 
 HID, H, HV, KD, VD, INTER, VOCAB, W, LAYERS = 2048, 6, 6, 256, 512, 5632, 16384, 4, 21
 CONV = 2 * H * KD + HV * VD
@@ -49,8 +52,9 @@ def bench(fns) -> float:
     return sorted(times)[len(times) // 2] / len(fns)
 
 
-def main() -> None:
-    dev, dt = "cuda", torch.bfloat16
+def products(dev: str = "cuda", dt: torch.dtype = torch.bfloat16) -> tuple[dict, torch.Tensor]:
+    """The one-token step's five products at the 1.3B shape, random weights and inputs: ``{name: (weight, input,
+    gemv keyword arguments)}`` and the input projection's conv window (its epilogue rewrites it in place)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen, device=dev) * s).to(dt)  # noqa: E731
     h, res, nw = rnd(HID), rnd(HID), rnd(HID).abs() + 0.5
@@ -66,9 +70,51 @@ def main() -> None:
         "down (swiglu, residual)": (rnd(HID, INTER, s=INTER ** -0.5), rnd(2 * INTER), dict(swiglu=True, residual=res)),
         "lm_head (norm)": (rnd(VOCAB, HID, s=HID ** -0.5), h, dict(norm=(nw, 1e-6))),
     }
+    return cases, window
+
+
+def scaling() -> list[dict]:
+    """Per-product time against size: a plain product (no prologue or epilogue) of 2048 columns and 1024..32768 rows,
+    each kernel (row-owner, split-K at 1024 columns) and cuBLAS, 21 copies back to back in one graph. A line fitted
+    to time vs bytes splits each product's time into a fixed part (launch, ramp, tail, the PDL hand-over) and a
+    streaming rate."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(HID, generator=gen, device="cuda").to(torch.bfloat16)
+    rows = []
+    for n in (1024, 2048, 4096, 8192, 16384, 32768):
+        copies = [(torch.randn(n, HID, generator=gen, device="cuda") * HID ** -0.5).to(torch.bfloat16)
+                  for _ in range(LAYERS)]
+        mb = n * HID * 2 / 2**20
+        row = dict(N=n, K=HID, MB=mb)
+        for name, fn in (("rows", lambda c: gemv(c, x, split=0)), ("split1024", lambda c: gemv(c, x, split=1024)),
+                         ("cublas", lambda c: F.linear(x, c))):
+            row[f"{name}_us"] = bench([lambda c=c: fn(c) for c in copies]) * 1e3
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del copies
+    for name in ("rows", "split1024", "cublas"):
+        t = torch.tensor([r[f"{name}_us"] for r in rows], dtype=torch.float64)
+        b = torch.tensor([r["MB"] * 2**20 for r in rows], dtype=torch.float64)
+        slope, icpt = torch.linalg.lstsq(torch.stack([b, torch.ones_like(b)], 1), t[:, None]).solution[:, 0].tolist()
+        print(f"{name}: fixed {icpt:.2f} us per product, streaming {1e-3 / slope:.0f} GB/s")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scaling", action="store_true", help="only the time-vs-size line of plain products")
+    ap.add_argument("--configs", action="store_true", help="also each row-owner launch shape")
+    args = ap.parse_args()
+    if args.scaling:
+        out = dict(device=torch.cuda.get_device_name(), scaling=scaling())
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "bench_gemv_scaling.json"), "w") as f:
+                json.dump(out, f, indent=1)
+        return
+    cases, window = products()
     rows = []
     for name, (w, x, kw) in cases.items():
-        rows.append(measure(name, w, x, kw, window))
+        rows.append(measure(name, w, x, kw, window, args.configs))
         print(json.dumps(rows[-1]), flush=True)
     configs = {f"{k} -> {v}" for tuned in (_tuned_kernel, _tuned_split) for k, v in tuned.cache.items()}
     layer = {m: sum(r[f"{m}_us"] for r in rows if not r["name"].startswith("lm_head"))
@@ -91,11 +137,15 @@ def main() -> None:
                                                      for m, t in layer.items()))
     for c in sorted(configs):
         print("tuned", c)
+    for r in rows:
+        for name, t in r["row_configs_us"].items():
+            print(f"{r['name']}: {name}: {t:.1f} us")
 
 
-def measure(name: str, w: torch.Tensor, x: torch.Tensor, kw: dict, window: torch.Tensor) -> dict:
+def measure(name: str, w: torch.Tensor, x: torch.Tensor, kw: dict, window: torch.Tensor,
+            row_configs: bool = False) -> dict:
     """Check the fused product against ``gemv_ref``, then time it (with and without PDL) and cuBLAS's bare product
-    over 21 copies of ``w``."""
+    over 21 copies of ``w``; with ``row_configs`` the row-owner kernel at each launch shape it is tuned over too."""
     saved = window.clone()
     y = gemv(w, x, **kw)
     window_k = window.clone()
@@ -114,10 +164,16 @@ def measure(name: str, w: torch.Tensor, x: torch.Tensor, kw: dict, window: torch
     t_split = {f"split{cols}_us": bench([lambda c=c: gemv(c, x, **kw, split=cols) for c in copies]) * 1e3
                for cols in SPLITS}
     t_cublas = bench([lambda c=c: F.linear(rhs, c) for c in copies])
+    t_configs = {}
+    for cfg in (_configs() if row_configs else []):
+        meta = dict(cfg.kwargs, num_warps=cfg.num_warps)
+        t_configs["rows " + " ".join(f"{k}={v}" for k, v in meta.items())] = bench(
+            [lambda c=c: gemv(c, x, **kw, split=0, config=meta) for c in copies]) * 1e3
     nbytes = w.numel() * w.element_size()
     return dict(name=name, N=w.shape[0], K=w.shape[1], MB=nbytes / 2**20, fused_us=t_fused * 1e3,
                 fused_no_pdl_us=t_no_pdl * 1e3, rows_us=t_rows * 1e3, **t_split, cublas_us=t_cublas * 1e3,
-                fused_GBps=nbytes / t_fused / 1e6, cublas_GBps=nbytes / t_cublas / 1e6, rel_err=err)
+                fused_GBps=nbytes / t_fused / 1e6, cublas_GBps=nbytes / t_cublas / 1e6, rel_err=err,
+                row_configs_us=t_configs)
 
 
 if __name__ == "__main__":

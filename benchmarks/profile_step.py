@@ -204,9 +204,9 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 def _setting(**values):
     """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
-    ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEP_MAX`` and torch's preferred BLAS library (keys ``pdl``,
-    ``pdl_small``, ``split_rows``, ``split_cols``, ``small_max``, ``sweep_max``, ``blas``) to the values given and the
-    others to their defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
+    ``gemv.ROW_CONFIG``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEP_MAX`` and torch's preferred BLAS library (keys
+    ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``small_max``, ``sweep_max``, ``blas``) to
+    the values given and the others to their defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
     0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL
     against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back
     copies of gate_up and lm_head suggested: 1.175 vs 1.136 ms.)"""
@@ -215,6 +215,7 @@ def _setting(**values):
         pdl.SMALL_KERNELS = values.get("pdl_small", _PDL_SMALL)
         gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
         gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
+        gemv.ROW_CONFIG = values.get("row_config")
         tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
         tree_delta.SWEEP_MAX = values.get("sweep_max", _SWEEP_MAX)
         torch.backends.cuda.preferred_blas_library(values.get("blas", _BLAS))
@@ -241,6 +242,12 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
     "blas": {"default": _setting(), "cuBLASLt": _setting(blas="cublaslt"), "default again": _setting()},
     # the tree verify's solve by depth sweeps at 64 nodes (session 12's default), against the block solve
     "sweep": {"default": _setting(), "block solve only": _setting(sweep_max=0), "default again": _setting()},
+    # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (session 14:
+    # on plain products split-K streamed at 4.1 TB/s, the row-owner kernel at 3.1)
+    "rows": {"default": _setting(),
+             "3 stages, (4 rows, 2 per SM, 8 warps)": _setting(row_config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8)),
+             "3 stages, (2 rows, 4 per SM, 4 warps)": _setting(row_config=dict(BN=2, PER_SM=4, STAGES=3, num_warps=4)),
+             "every product split-K": _setting(split_rows=1 << 20), "default again": _setting()},
 }
 
 

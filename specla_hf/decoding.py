@@ -301,14 +301,13 @@ def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, hos
                       launch_s: float) -> torch.LongTensor:
     """The loop for plain greedy decoding with a proposal selected on the device and a drafter that catches up there
     (``catches_up_on_device``): only each step's emitted tokens cross to the host. A step's acceptance
-    (``greedy_accept``), its commit, the drafter's catch-up, the next proposal and its verify pass are all queued
-    before the host reads that step's tokens, so the GPU runs step ``i + 1`` while the host checks step ``i`` against
-    the stopping criteria; the step after the last is dropped, as in the host loop. The host is one step behind the
-    device: it tells the caches how many positions a step committed when it reads them. Tokens equal the host loop's
-    (``greedy_accept`` is ``accept_path``); the drafter's catch-up runs as a chain verify, so drafts may differ from
-    the host loop's by rounding."""
+    (``greedy_accept``), its commit, the drafter's catch-up and the next proposal are all queued before the host reads
+    that step's tokens, so the GPU drafts step ``i + 1`` while the host checks step ``i`` against the stopping
+    criteria; the verify pass of step ``i + 1`` is queued after that check (the GPU drafts for longer than the host
+    checks), so no pass is verified past the end. Tokens equal the host loop's (``greedy_accept`` is
+    ``accept_path``); the drafter's catch-up runs as a chain verify, so drafts may differ from the host loop's by
+    rounding."""
     cap = drafter.options.depth + 1
-    # each step's emitted tokens: read one step behind the device
     readback, tail = HostCopy((1 + cap,), torch.long, target.device), _StepTail(target, drafter, cache, cap)
     tokens, parents = drafter.device_tree()
     out = verify(tokens, parents)
@@ -322,16 +321,11 @@ def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, hos
         with record_function("specla.launch"):
             drafter.launch_caught_up()
         t2 = time.perf_counter()
-        tokens, parents = drafter.device_tree()
-        out = verify(tokens, parents)
         with record_function("specla.collect"):
-            length, *emitted = readback.read().tolist()            # the step before the one just queued
+            length, *emitted = readback.read().tolist()        # this step's tokens, while the GPU drafts the next
             emitted = emitted[:length]
-        cache.seq_length += len(emitted)
+        cache.seq_length += len(emitted)                        # the commit recorded in the tail counts none
         drafter.advance(len(emitted))
-        stats.draft_time += launch_s + t2 - t1
-        stats.verify_time += time.perf_counter() - t2 + t1 - t0
-        launch_s = 0.0
         stats.target_calls += 1
         stats.steps += 1
         stats.draft_nodes.append(n - 1)
@@ -339,8 +333,13 @@ def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, hos
         drafter.observe(emitted[:-1])
         host_ids, stop = _emit(torch.cat([host_ids, host_ids.new_tensor([emitted])], 1), host_ids.shape[1],
                                stopping_criteria, streamer, device)
+        if not stop:
+            tokens, parents = drafter.device_tree()
+            out = verify(tokens, parents)
+        stats.draft_time += launch_s + t2 - t1
+        stats.verify_time += time.perf_counter() - t2 + t1 - t0
+        launch_s = 0.0
         if stop:
-            cache.discard()                                          # the verify pass queued after the last step
             return host_ids
 
 

@@ -99,6 +99,8 @@ class DraftBuffers:
         self.tree_parents = torch.full((most,), -1, dtype=torch.long, device=device)
         self.tree_host = HostCopy((3, most), torch.float64, device)
         self.root_logp: torch.Tensor | None = None    # the root's draft log-probs when ``start`` consumed it
+        # ``catch_up``'s chain (parents), as long as the longest accepted path (static: step graphs read it)
+        self.chain = torch.arange(-1, depth, device=device)[None]
 
     def queue_best(self, d: int) -> None:
         """Start reading depth ``d``'s best candidate score back to the host (``read_best``)."""
@@ -190,6 +192,8 @@ class DynamicTreeDrafter(CandidateGenerator):
 
     # ---- what a subclass provides ----
     runner = None            # the drafter's runner (GDNRunner or alike): its ``graphs`` say whether to use graphs
+    cache = None             # its SpecLACache, and how many sequence positions its committed state holds
+    consumed = 0
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
         """Catch the drafter's committed state up on ``input_ids``. Normally the pending token (``input_ids``' last,
@@ -292,8 +296,10 @@ class DynamicTreeDrafter(CandidateGenerator):
         self._expand(True, None, self.buffers.tokens[:1])
 
     def advance(self, n: int) -> None:
-        """The host learns that the step before the last ``catch_up`` emitted ``n`` tokens."""
-        raise NotImplementedError
+        """The host learns that the step of the last ``catch_up`` emitted ``n`` tokens: that many positions more are
+        in the drafter's committed state (``consumed`` and its cache's length)."""
+        self.consumed += n
+        self.cache.seq_length += n
 
     def _root_logp(self, vocab: int) -> torch.Tensor:
         """The static tensor the depth-1 graph reads the root's draft log-probs from."""
@@ -437,3 +443,19 @@ class GDNDrafter(DynamicTreeDrafter):
         out = self.runner._forward(b.tokens[None, :n], self.cache, b.parents[None, :n], rows, ())
         self.cache.discard()
         return torch.log_softmax(out.logits[0], -1, dtype=torch.float32)     # fp32 in one kernel, no cast copy
+
+    # ---- steps accepted on the device (``speculative_decode``'s device loop) ----
+    catches_up_on_device = True
+
+    def catch_up(self, features: tuple[torch.Tensor, ...], accepted) -> None:
+        """``start`` for a path accepted on the device (``accepted``: a ``DeviceAcceptance``), in static shapes: the
+        emitted tokens (``depth + 1`` slots, padded) are verified as a chain from the committed state, the path's
+        last node (the bonus token, the next root) is committed and its draft log-probs become the root's (the LM
+        head runs on that slot only). The same recurrence as ``start``'s sequence mode, up to summation order."""
+        b = self.buffers = self._buffers()
+        b.reset()
+        last = accepted.length - 1
+        out = self.runner._forward(accepted.emitted[None], self.cache, b.chain, last, ())
+        self.cache.commit(last, path_length=0)                          # ``advance`` counts the positions
+        self._root_logp(out.logits.shape[-1]).copy_(torch.log_softmax(out.logits[0, 0], -1, dtype=torch.float32))
+        b.tokens[:1].copy_(accepted.emitted.index_select(0, last))     # the bonus token is the root

@@ -298,8 +298,6 @@ class EagleDrafter(DynamicTreeDrafter):
             H = self.drafter.config.hidden_size
             b.fused = torch.zeros(1, b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
             b.hidden = torch.zeros(b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
-            # ``catch_up``'s chain, as long as the longest accepted path (static: step graphs read it)
-            b.chain = torch.arange(-1, self.options.depth, device=self.drafter.device)[None]
         return b
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
@@ -342,20 +340,17 @@ class EagleDrafter(DynamicTreeDrafter):
         in static shapes: the features of all ``depth + 1`` path slots are fused, and the drafter verifies them as a
         chain of that many nodes from its committed state (slots past the path's end are computed and never
         committed), commits the path's last node and sets the root of the next proposal from it. The chain verify
-        replaces ``start``'s sequence-mode catch-up: the same recurrence, up to summation order."""
+        replaces ``start``'s sequence-mode catch-up: the same recurrence, up to summation order. The LM head runs on
+        the last node's slot only."""
         b = self.buffers = self._buffers()
         b.reset()
         fused = self._fuse(tuple(f.index_select(1, accepted.path) for f in features))
-        out = self.runner._forward((fused, accepted.emitted[None]), self.cache, b.chain, None, ())
         last = accepted.length - 1
+        out = self.runner._forward((fused, accepted.emitted[None]), self.cache, b.chain, last, ())
         self.cache.commit(last, path_length=0)                          # ``advance`` counts the positions
-        self._root_logp(out.logits.shape[-1]).copy_(out.logits[0].index_select(0, last)[0])
+        self._root_logp(out.logits.shape[-1]).copy_(out.logits[0, 0])
         b.hidden[0].copy_(out.hidden_states[0][0].index_select(0, last)[0])     # what the root's children read
         b.tokens[:1].copy_(accepted.emitted.index_select(0, last))              # the bonus token is the root
-
-    def advance(self, n: int) -> None:
-        self.consumed += n
-        self.cache.seq_length += n
 
 
 AutoConfig.register(SpecLADrafterConfig.model_type, SpecLADrafterConfig)

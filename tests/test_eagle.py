@@ -188,8 +188,9 @@ def shipped():
 
 def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monkeypatch):
     """Plain greedy with the tree selected on the device runs decoding's device loop, whose host reads each step's
-    tokens after the next step is queued: EOS inside an accepted block, a stateful stopping criterion, the streamer
-    and exact max_new_tokens behave as in plain decoding, and the caches count every committed position."""
+    tokens after the next proposal is queued: EOS inside an accepted block, a stateful stopping criterion, the
+    streamer and exact max_new_tokens behave as in plain decoding, the caches count every committed position, and no
+    verify pass runs past the last step."""
     from specla_hf import decoding
     target, drafter, tok = shipped.target, shipped.drafter, shipped.tokenizer
     used = []
@@ -205,7 +206,7 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
     first, eos = [(at, int(free[0, at + 1])) for at, a in zip(starts, accepted)
                   if a >= 3 and at + a < free.shape[1]
                   and int(free[0, at + 1]) not in free[0, ids.shape[1]:at + 1].tolist()][-1]
-    assert first > starts[1]                                  # not the first step: the host was a step behind
+    assert first > starts[1]                                  # not the first step: the next proposal was queued
     plain = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=eos)
     spec = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=eos,
                            assistant_model=drafter, tree=True)
@@ -229,9 +230,11 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
         assert sum(streamed.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
         streamed.chunks = []
     # the caches: every position the target committed (the last step's whole path), none pending, the drafter level
-    runner, caches = GDNRunner(target), []
-    new_cache = runner.new_cache
+    runner, caches, verified = GDNRunner(target), [], []
+    new_cache, forward = runner.new_cache, runner.forward
     runner.new_cache = lambda batch_size=1: caches.append(new_cache(batch_size)) or caches[-1]
+    runner.forward = lambda *a, parents=None, **k: verified.append(parents is not None) or forward(*a, parents=parents,
+                                                                                                     **k)
     eagle = drafter.candidate_generator(target, draft_options(tree=True))
     n_new = 30
     seq, stats, _, _ = speculative_decode(runner, eagle, ids, LogitsProcessorList(),
@@ -241,6 +244,7 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
     committed = ids.shape[1] - 1 + sum(a + 1 for a in stats.accepted)
     assert caches[0].seq_length == eagle.consumed == eagle.cache.seq_length == committed >= seq.shape[1] - 1
     assert caches[0].num_pending == 0 and eagle.cache.num_pending == 0
+    assert sum(verified) == stats.steps                      # every verify pass was a step's
 
 
 def test_tree_sampling_is_lossless(monkeypatch):

@@ -252,6 +252,33 @@ def test_tree_padding_buckets_are_inert(bad_drafter):
             GDNRunner.for_model(m, role).bucket_trees = False
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_gdn_drafter_takes_the_device_loop(target, bad_drafter, tree, monkeypatch):
+    """A plain GDN drafter with no confidence threshold runs the device loop (its ``catch_up``: a chain verify of the
+    emitted tokens): greedy output equals plain decoding for a perfect and a bad drafter, and its cache has consumed
+    exactly the positions the target committed."""
+    from specla_hf import decoding
+    used = []
+    loop = decoding._decode_on_device
+    monkeypatch.setattr(decoding, "_decode_on_device", lambda *a, **k: used.append(1) or loop(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    for drafter in (copy.deepcopy(target), bad_drafter):
+        ids = torch.randint(0, 97, (1, int(torch.randint(2, 20, (), generator=gen))), generator=gen)
+        n_new = 33
+        plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+        options = draft_options(tree=tree, confidence_threshold=0.0)
+        gdn = GDNDrafter(drafter, options)
+        seq, stats, _, _ = speculative_decode(GDNRunner(target), gdn, ids, LogitsProcessorList(),
+                                              StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + n_new)]),
+                                              False, ids.shape[1] + n_new)
+        assert torch.equal(seq, plain)
+        committed = ids.shape[1] + sum(a + 1 for a in stats.accepted)    # the prompt, each step's path, the root
+        assert gdn.consumed == gdn.cache.seq_length == committed and gdn.cache.num_pending == 0
+        if drafter is not bad_drafter:                      # the catch-up's root log-probs drive the drafts
+            assert stats.tau > 2
+    assert len(used) == 2
+
+
 def _random_tree(n: int, vocab: int, gen: torch.Generator, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A random tree of ``n`` nodes plus ``pad`` inert padding nodes (parent -1, as the runner pads buckets); tokens
     from a small vocabulary, so siblings often share one (the host walk takes the first)."""

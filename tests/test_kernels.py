@@ -532,26 +532,32 @@ def test_gemv_matches_reference(device, dtype):
     }
     # the interpreter casts fp32 to bf16 by truncation (compiled kernels round to nearest): one ulp more per cast
     tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]
-    for name, (w, x, fused) in cases.items():
-        outs = []
-        for fn in (gemv, ref.gemv_ref):
-            kw = dict(fused)
-            if "conv" in kw:
-                kw["conv"] = (kw["conv"][0].clone(), *kw["conv"][1:])
-            if "add" in kw:
-                kw["add_out"] = torch.full_like(h, float("nan"))
-            outs.append((fn(w, x, **kw), kw))
-        (y, kw), (want, kw_ref) = outs
-        assert y.dtype == dtype and y.shape == want.shape, name
-        check(y, want, tol, name)
+
+    def run(fn, w, x, fused, **extra):
+        kw = dict(fused)
         if "conv" in kw:
-            got_w, want_w = kw["conv"][0], kw_ref["conv"][0]
-            assert torch.equal(got_w[:, :-1], want_w[:, :-1]), f"{name}: window shift"
-            check(got_w[:, -1], want_w[:, -1], tol, f"{name}: window's new column")
-        if "add" in kw and tol == TOL[dtype]:
-            assert torch.equal(kw["add_out"], kw_ref["add_out"]), f"{name}: residual sum"
-        elif "add" in kw:
-            check(kw["add_out"], kw_ref["add_out"], tol, f"{name}: residual sum")
+            kw["conv"] = (kw["conv"][0].clone(), *kw["conv"][1:])
+        if "add" in kw:
+            kw["add_out"] = torch.full_like(h, float("nan"))
+        return fn(w, x, **kw, **extra), kw
+
+    # the default launch, and the row-owner kernel with three stages (each program loops over several blocks)
+    variants = {"default": {}, "3 stages": dict(split=0, config=dict(BN=2, PER_SM=2, STAGES=3, num_warps=4))}
+    for name, (w, x, fused) in cases.items():
+        want, kw_ref = run(ref.gemv_ref, w, x, fused)
+        for variant, extra in variants.items():
+            y, kw = run(gemv, w, x, fused, **extra)
+            what = f"{name} ({variant})"
+            assert y.dtype == dtype and y.shape == want.shape, what
+            check(y, want, tol, what)
+            if "conv" in kw:
+                got_w, want_w = kw["conv"][0], kw_ref["conv"][0]
+                assert torch.equal(got_w[:, :-1], want_w[:, :-1]), f"{what}: window shift"
+                check(got_w[:, -1], want_w[:, -1], tol, f"{what}: window's new column")
+            if "add" in kw and tol == TOL[dtype]:
+                assert torch.equal(kw["add_out"], kw_ref["add_out"]), f"{what}: residual sum"
+            elif "add" in kw:
+                check(kw["add_out"], kw_ref["add_out"], tol, f"{what}: residual sum")
 
 
 

@@ -113,6 +113,8 @@ def call_every_wrapper():
     gemv.gemv(z(hid, 5632), z(2 * 5632), swiglu=True, residual=z(hid), split=512)
     gemv.gemv(z(9280, hid), z(hid), norm=(w, 1e-6), conv=(z(D, W), z(D, W), None), split=1024)   # and wide ones
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=512)
+    gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=0,   # three stages
+              config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8))
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):

@@ -115,13 +115,15 @@ def _epilogue(out, rows, m_rows, res, window, conv_w, conv_b, C, EPI: tl.constex
 def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, window, conv_w, conv_b, C,
                 PRO: tl.constexpr, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KR: tl.constexpr,
                 KC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, PER_SM: tl.constexpr,
-                PDL: tl.constexpr):
+                STAGES: tl.constexpr, PDL: tl.constexpr):
     # The input is one [KR, KC] register tile (KC = the head size for a gated norm: a head per row). A program owns
     # the row blocks pid, pid + G, ... (G = PER_SM programs per SM, set at launch) and loads each block's whole
-    # [BN, KR, KC] weight tile at once, the next block's while it reduces this one: the memory pipe never waits for
-    # a reduction, and the prologue is computed once per program.
+    # [BN, KR, KC] weight tile at once, STAGES - 1 blocks ahead of the one it reduces (2 or 3): the memory pipe never
+    # waits for a reduction, and the prologue is computed once per program. A batch-1 GEMV streams as fast as it
+    # keeps bytes in flight; a third stage is 50% more per program at the same occupancy.
     # With PDL (specla_kernels.pdl) this kernel may start before the previous one ends: the weights do not depend
-    # on it, so the first block is requested before waiting; everything that reads an activation or writes comes after.
+    # on it, so the first blocks are requested before waiting; everything that reads an activation or writes comes
+    # after.
     pdl.allow_dependents(PDL)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -129,16 +131,22 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
     cols = tl.arange(0, KR)[:, None] * KC + tl.arange(0, KC)[None, :]
     m_cols = cols < K
     wt = _weight_block(w, pid, N, stride_w, cols, m_cols, BN)
+    if STAGES == 3:
+        wt_ahead = _weight_block(w, pid + G, N, stride_w, cols, m_cols, BN)
     pdl.wait_for_inputs(PDL)
     rhs = _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, pid == 0, PRO, KC, 0)
     for blk in range(pid, n_blocks, G):
-        wt_next = _weight_block(w, blk + G, N, stride_w, cols, m_cols, BN)
+        wt_next = _weight_block(w, blk + (STAGES - 1) * G, N, stride_w, cols, m_cols, BN)
         rows = blk * BN + tl.arange(0, BN)
         m_rows = rows < N
         out = tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1).to(y.dtype.element_ty)  # the GEMM's rounding
         out = _epilogue(out, rows, m_rows, res, window, conv_w, conv_b, C, EPI, HAS_CONV_BIAS, W, WP)
         tl.store(y + rows, out, mask=m_rows)
-        wt = wt_next
+        if STAGES == 3:
+            wt = wt_ahead
+            wt_ahead = wt_next
+        else:
+            wt = wt_next
 
 
 
@@ -182,12 +190,14 @@ TUNE_BYTES = 8 * 2**20   # products with smaller weights run one fixed launch sh
 
 
 def _configs():
-    """(rows per block, programs per SM, warps). Session 4's H200 run tuned the 1.3B shape's five products over 24
-    shapes (BN 1-8, 4 or 8 warps, 2 or 4 programs per SM or one program per block) and picked the first four
+    """(rows per block, programs per SM, warps, stages). Session 4's H200 run tuned the 1.3B shape's five products
+    over 24 shapes (BN 1-8, 4 or 8 warps, 2 or 4 programs per SM or one program per block) and picked the first four
     below; each configuration costs a compile (~1 s) the first time a model runs, so the list keeps the winners and
-    two neighbours."""
-    return [triton.Config({"BN": bn, "PER_SM": per_sm}, num_warps=nw)
-            for bn, per_sm, nw in [(4, 2, 8), (2, 2, 8), (2, 4, 4), (1, 2, 8), (1, 4, 4), (4, 4, 8)]]
+    two neighbours, and the winners with a third stage (session 14: streaming plain products, this kernel reached
+    3.1 TB/s against split-K's 4.1, which keeps more, smaller loads in flight)."""
+    return [triton.Config({"BN": bn, "PER_SM": per_sm, "STAGES": st}, num_warps=nw)
+            for bn, per_sm, nw, st in [(4, 2, 8, 2), (2, 2, 8, 2), (2, 4, 4, 2), (1, 2, 8, 2), (1, 4, 4, 2),
+                                       (4, 4, 8, 2), (4, 2, 8, 3), (2, 4, 4, 3), (2, 2, 8, 3)]]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -254,6 +264,7 @@ _tuned_split = triton.autotune(_split_configs(), key=["N", "K", "PRO", "EPI", "K
 # o_proj: a lone launch does not show what a launch among its neighbours does.
 SPLIT_COLS = 1024
 SPLIT_MAX_ROWS = 10240   # products with more rows fill the GPU by rows alone (0: none split)
+ROW_CONFIG: dict | None = None   # a fixed launch shape for the large row-owner products instead of tuning (A/Bs)
 _split_buffers: dict = {}
 
 
@@ -273,11 +284,13 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
          add: torch.Tensor | None = None, add_out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
          swiglu: bool = False, residual: torch.Tensor | None = None,
          conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-         split: int | None = None) -> torch.Tensor:
+         split: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Triton twin of ``gemv_ref``; arguments are 1-D vectors (one token of batch 1), see the module docstring.
     ``split``: columns per program of the split-K kernel (a power of two; a multiple of the head size with a gated
     norm), 0 for the row-owner kernel; by default large products of at most ``SPLIT_MAX_ROWS`` rows take split-K with
-    ``SPLIT_COLS`` columns (a gated norm's head, if wider)."""
+    ``SPLIT_COLS`` columns (a gated norm's head, if wider). ``config``: a launch shape in place of the tuned (or
+    fixed) one, for benchmarks and tests: ``BN`` and ``num_warps``, and for the row-owner kernel ``PER_SM`` and
+    ``STAGES`` (on the CPU interpreter ``PER_SM`` is the number of programs)."""
     N, K = weight.shape
     if K > MAX_K:
         raise ValueError(f"gemv keeps the whole input in registers: at most {MAX_K} columns, got {K}")
@@ -315,19 +328,27 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
         args = (weight, x, y, part, count, N, K, weight.stride(0), *operands)
         whole_stat = pro in (NORM.value, NORM_ADD.value)      # a statistic over all of x: each program reloads it
         consts.update(KR=split // KC, KC=KC, KP=triton.next_power_of_2(K) if whole_stat else 0)
-        if big:
+        if config is not None:
+            gemv_split_kernel[(triton.cdiv(N, config["BN"]), S)](*args, **consts, **config, launch_pdl=on)
+        elif big:
             _tuned_split[lambda meta: (triton.cdiv(N, meta["BN"]), S)](*args, **consts, launch_pdl=on)
         else:     # a small product or the interpreter (tests): one configuration
             gemv_split_kernel[(triton.cdiv(N, 2), S)](*args, **consts, BN=2, num_warps=4, launch_pdl=on)
         return y
     args = (weight, x, y, N, K, weight.stride(0), *operands)
     consts.update(KR=KR, KC=KC)
-    if big:
+    if config is None and big:
+        config = ROW_CONFIG
+    if config is not None:
+        meta = {"STAGES": 2, **config}
+        grid = _grid(N, x.device)(meta) if x.is_cuda else (meta["PER_SM"],)
+        gemv_kernel[grid](*args, **consts, **meta, launch_pdl=on)
+    elif big:
         _tuned_kernel[_grid(N, x.device)](*args, **consts, launch_pdl=on)
     elif x.is_cuda:      # a small product (a small model, a drafter): one reasonable shape, no tuning compiles
-        gemv_kernel[_grid(N, x.device)({"BN": 2, "PER_SM": 4})](*args, **consts, BN=2, PER_SM=4, num_warps=4,
-                                                                  launch_pdl=on)
+        gemv_kernel[_grid(N, x.device)({"BN": 2, "PER_SM": 4})](*args, **consts, BN=2, PER_SM=4, STAGES=2,
+                                                                  num_warps=4, launch_pdl=on)
     else:  # the interpreter (tests): one configuration
         gemv_kernel[(min(3, triton.cdiv(N, 2)),)](*args, **consts, BN=2, PER_SM=1,   # several blocks per program
-                                                  launch_pdl=on)
+                                                  STAGES=2, launch_pdl=on)
     return y
