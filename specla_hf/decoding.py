@@ -39,8 +39,10 @@ class SpecLAStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens emitted per verify pass (accepted drafts + the target's own token)."""
-        return (sum(self.accepted) + self.steps) / self.steps if self.steps else 0.0
+        """Mean tokens kept per verify pass (accepted drafts + the target's own token): the new tokens over the steps.
+        ``accepted`` also counts a last step's drafts past the stop, which no output holds (the device loop drafts
+        its last proposal before the host knows the length)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
 
     @property
     def rejected_nodes_per_step(self) -> float:
