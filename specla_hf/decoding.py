@@ -266,6 +266,7 @@ class _StepTail:
 
     def _step(self, tokens: torch.Tensor, parents: torch.Tensor, out) -> DeviceAcceptance:
         n = tokens.shape[1]
+        self.drafter.buffers.keep_verified()              # the drafter's last_tree once the loop ends
         acc = greedy_accept(tokens[0], parents[0], self.cache.ancestors[0, :n, :n], out.logits[0].argmax(-1),
                             self.cap)
         self.cache.commit(acc.node, path_length=0)                  # the loop counts the positions
@@ -311,6 +312,7 @@ def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, hos
     rounding."""
     cap = drafter.options.depth + 1
     readback, tail = HostCopy((1 + cap,), torch.long, target.device), _StepTail(target, drafter, cache, cap)
+    drafter.last_tree = None               # no host tree per step (nothing to calibrate against); set at the end
     tokens, parents = drafter.device_tree()
     out = verify(tokens, parents)
     while True:
@@ -342,6 +344,7 @@ def _decode_on_device(target: GDNRunner, drafter: DynamicTreeDrafter, cache, hos
         stats.verify_time += time.perf_counter() - t2 + t1 - t0
         launch_s = 0.0
         if stop:
+            drafter.last_tree = drafter.buffers.verified_tree(n)
             return host_ids
 
 

@@ -98,6 +98,7 @@ class DraftBuffers:
         self.tree_tokens = torch.zeros(most, dtype=torch.long, device=device)
         self.tree_parents = torch.full((most,), -1, dtype=torch.long, device=device)
         self.tree_host = HostCopy((3, most), torch.float64, device)
+        self.verified = torch.zeros_like(self.tree)  # the device loop's copy of the tree its last step verified
         self.root_logp: torch.Tensor | None = None    # the root's draft log-probs when ``start`` consumed it
         # ``catch_up``'s chain (parents), as long as the longest accepted path (static: step graphs read it)
         self.chain = torch.arange(-1, depth, device=device)[None]
@@ -148,6 +149,15 @@ class DraftBuffers:
         """The selected tree of ``n`` nodes; waits for the selection only, not for work queued after it."""
         tokens, parents, log_probs = self.tree_host.read()[:, :n]
         return DraftTree(tokens.long(), parents.long(), log_probs.clone())
+
+    def keep_verified(self) -> None:
+        """Copy the selected tree aside once it is verified (the next proposal overwrites it): static, capturable."""
+        self.verified.copy_(self.tree)
+
+    def verified_tree(self, n: int) -> DraftTree:
+        """The tree of ``n`` nodes last kept by ``keep_verified`` (waits for the device)."""
+        tokens, parents, log_probs = self.verified[:, :n].cpu()
+        return DraftTree(tokens.long(), parents.long(), log_probs)
 
 
 @dataclass

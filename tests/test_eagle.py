@@ -245,6 +245,10 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
     assert caches[0].seq_length == eagle.consumed == eagle.cache.seq_length == committed >= seq.shape[1] - 1
     assert caches[0].num_pending == 0 and eagle.cache.num_pending == 0
     assert sum(verified) == stats.steps                      # every verify pass was a step's
+    # the drafter's last tree is the last step's, rooted at that step's pending token (the demo draws it)
+    last_root = ids.shape[1] - 1 + sum(a + 1 for a in stats.accepted[:-1])
+    assert len(eagle.last_tree) == stats.draft_nodes[-1] + 1
+    assert int(eagle.last_tree.tokens[0]) == int(seq[0, last_root])
 
 
 def test_tree_sampling_is_lossless(monkeypatch):
