@@ -147,8 +147,7 @@ class DraftBuffers:
 
     def read_tree(self, n: int) -> DraftTree:
         """The selected tree of ``n`` nodes; waits for the selection only, not for work queued after it."""
-        tokens, parents, log_probs = self.tree_host.read()[:, :n]
-        return DraftTree(tokens.long(), parents.long(), log_probs.clone())
+        return _tree_of_rows(self.tree_host.read()[:, :n])
 
     def keep_verified(self) -> None:
         """Copy the selected tree aside once it is verified (the next proposal overwrites it): static, capturable."""
@@ -156,8 +155,13 @@ class DraftBuffers:
 
     def verified_tree(self, n: int) -> DraftTree:
         """The tree of ``n`` nodes last kept by ``keep_verified`` (waits for the device)."""
-        tokens, parents, log_probs = self.verified[:, :n].cpu()
-        return DraftTree(tokens.long(), parents.long(), log_probs)
+        return _tree_of_rows(self.verified[:, :n].cpu())
+
+
+def _tree_of_rows(rows: torch.Tensor) -> DraftTree:
+    """A ``DraftTree`` of the host rows ``[3, n]`` (tokens, parents, cumulative log-probs) the selection writes."""
+    tokens, parents, log_probs = rows
+    return DraftTree(tokens.long(), parents.long(), log_probs.clone())
 
 
 @dataclass
@@ -310,6 +314,13 @@ class DynamicTreeDrafter(CandidateGenerator):
         in the drafter's committed state (``consumed`` and its cache's length)."""
         self.consumed += n
         self.cache.seq_length += n
+
+    def _root_from(self, accepted, last: torch.Tensor, logp: torch.Tensor) -> None:
+        """``catch_up``'s end: commit the accepted path's ``last`` node of the chain just verified (``advance`` counts
+        the positions), whose draft log-probs ``logp`` are the next root's, and make its token (the bonus) the root."""
+        self.cache.commit(last, path_length=0)
+        self._root_logp(logp.shape[-1]).copy_(logp)
+        self.buffers.tokens[:1].copy_(accepted.emitted.index_select(0, last))
 
     def _root_logp(self, vocab: int) -> torch.Tensor:
         """The static tensor the depth-1 graph reads the root's draft log-probs from."""
@@ -466,6 +477,4 @@ class GDNDrafter(DynamicTreeDrafter):
         b.reset()
         last = accepted.length - 1
         out = self.runner._forward(accepted.emitted[None], self.cache, b.chain, last, ())
-        self.cache.commit(last, path_length=0)                          # ``advance`` counts the positions
-        self._root_logp(out.logits.shape[-1]).copy_(torch.log_softmax(out.logits[0, 0], -1, dtype=torch.float32))
-        b.tokens[:1].copy_(accepted.emitted.index_select(0, last))     # the bonus token is the root
+        self._root_from(accepted, last, torch.log_softmax(out.logits[0, 0], -1, dtype=torch.float32))

@@ -347,10 +347,8 @@ class EagleDrafter(DynamicTreeDrafter):
         fused = self._fuse(tuple(f.index_select(1, accepted.path) for f in features))
         last = accepted.length - 1
         out = self.runner._forward((fused, accepted.emitted[None]), self.cache, b.chain, last, ())
-        self.cache.commit(last, path_length=0)                          # ``advance`` counts the positions
-        self._root_logp(out.logits.shape[-1]).copy_(out.logits[0, 0])
+        self._root_from(accepted, last, out.logits[0, 0])
         b.hidden[0].copy_(out.hidden_states[0][0].index_select(0, last)[0])     # what the root's children read
-        b.tokens[:1].copy_(accepted.emitted.index_select(0, last))              # the bonus token is the root
 
 
 AutoConfig.register(SpecLADrafterConfig.model_type, SpecLADrafterConfig)
