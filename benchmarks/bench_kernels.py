@@ -64,7 +64,12 @@ COMMIT_SWEEP = [dict(BV=bv, BK=bk, num_warps=w) for bv, bk, w in ((64, 64, 4), (
                                                                   (64, 128, 8))] + [
     dict(BV=64, BK=bk, BP=32, num_warps=4) for bk in (64, 128)] + [  # path chunks of 32 nodes
     # the factors requested with the state tile (EAGER, one dot over the padded tree)
-    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)]
+    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)] + [
+    # fewer warps, the same tile: more state per thread and more programs resident (4 -> 8 warps lost 26 -> 50%;
+    # session 14's counters: 25% occupancy, 50% of the DRAM peak), and whole state rows (contiguous 16-32 KB)
+    dict(BV=bv, BK=bk, num_warps=w, **e) for bv, bk, w in ((64, 64, 2), (32, 64, 2), (64, 64, 1), (32, 128, 2),
+                                                            (16, 256, 2), (32, 256, 4), (16, 256, 4))
+    for e in ({}, dict(BP=128, EAGER=1))]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
