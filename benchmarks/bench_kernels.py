@@ -58,18 +58,16 @@ for _bn, _extra in {16: [{}, dict(BV=32)], 32: [{}, dict(BV=16), dict(num_warps=
 SWEEP[64].append(dict(SWEEP_MAX=0))
 # up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
 SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w) for bv, w in ((8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
-# state tiles [BV, BK] of one commit program (and path nodes per dot, BP)
+# state tiles [BV, BK] of one commit program (and path nodes per dot, BP). Also measured, at 16 / 1 nodes (session 15,
+# bench_kernels_2026-12-01_s15call1_commit_warps): 2 warps [64, 64] 57.1 / 56.6 us, [32, 64] 55.5 / 51.9; 1 warp
+# [64, 64] 59.1 / 56.9; whole state rows [16, 256] 68.9 (2 warps) and 61.7 (4), [32, 256] 62.0 (4), [32, 128] 65.9 (2);
+# against the default's 54.9 / 50.4: fewer warps or contiguous rows do not raise the commit's DRAM rate
 COMMIT_SWEEP = [dict(BV=bv, BK=bk, num_warps=w) for bv, bk, w in ((64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 4),
                                                                   (64, 256, 4), (64, 64, 8), (128, 64, 8),
                                                                   (64, 128, 8))] + [
     dict(BV=64, BK=bk, BP=32, num_warps=4) for bk in (64, 128)] + [  # path chunks of 32 nodes
     # the factors requested with the state tile (EAGER, one dot over the padded tree)
-    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)] + [
-    # fewer warps, the same tile: more state per thread and more programs resident (4 -> 8 warps lost 26 -> 50%;
-    # session 14's counters: 25% occupancy, 50% of the DRAM peak), and whole state rows (contiguous 16-32 KB)
-    dict(BV=bv, BK=bk, num_warps=w, **e) for bv, bk, w in ((64, 64, 2), (32, 64, 2), (64, 64, 1), (32, 128, 2),
-                                                            (16, 256, 2), (32, 256, 4), (16, 256, 4))
-    for e in ({}, dict(BP=128, EAGER=1))]
+    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 

@@ -37,7 +37,6 @@ import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.defaults import load_models
 from specla_hf.cuda_graphs import copy_in
 from specla_hf.eagle import _BlockRunner
-from specla_hf import gdn
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
 from specla_kernels import gemv, pdl, tree_delta
@@ -205,9 +204,8 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 def _setting(**values):
     """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
-    ``gemv.ROW_CONFIG``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEP_MAX``, ``gdn.STEP_KERNEL`` and torch's preferred
-    BLAS library (keys ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``small_max``,
-    ``sweep_max``, ``step``, ``blas``) to
+    ``gemv.ROW_CONFIG``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEP_MAX`` and torch's preferred BLAS library (keys
+    ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``small_max``, ``sweep_max``, ``blas``) to
     the values given and the others to their defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
     0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL
     against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back
@@ -221,7 +219,6 @@ def _setting(**values):
         tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
         tree_delta.SWEEP_MAX = values.get("sweep_max", _SWEEP_MAX)
         torch.backends.cuda.preferred_blas_library(values.get("blas", _BLAS))
-        gdn.STEP_KERNEL = values.get("step", _STEP_KERNEL)
     return apply
 
 
@@ -229,7 +226,6 @@ _GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
 _SMALL_MAX = tree_delta.SMALL_MAX
 _SWEEP_MAX = tree_delta.SWEEP_MAX
 _PDL_SMALL = pdl.SMALL_KERNELS
-_STEP_KERNEL = gdn.STEP_KERNEL
 _BLAS = torch.backends.cuda.preferred_blas_library()    # the library verify and drafter passes' GEMMs use
 DEFAULTS = _setting()
 AB = {  # name -> its settings; a setting repeated last shows what the build order alone does
@@ -252,9 +248,6 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
              "3 stages, (4 rows, 2 per SM, 8 warps)": _setting(row_config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8)),
              "3 stages, (2 rows, 4 per SM, 4 warps)": _setting(row_config=dict(BN=2, PER_SM=4, STAGES=3, num_warps=4)),
              "every product split-K": _setting(split_rows=1 << 20), "default again": _setting()},
-    # the one-token step as one launch (specla_kernels.decode_step, session 15) against four GEMVs and fla's
-    # recurrence per layer
-    "step": {"default": _setting(), "one launch": _setting(step=not _STEP_KERNEL), "default again": _setting()},
 }
 
 

@@ -17,8 +17,6 @@ them (``specla_kernels.gemv``) and the recurrence updating the state in place.
 """
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,13 +35,7 @@ from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.cuda_graphs import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward,
                                    batch_size, num_tokens, pad_tokens, to_device, tree_bucket)
 from specla_kernels import ops
-from specla_kernels.decode_step import DecodeStep
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
-from specla_kernels.reference import StepLayer, StepShape, decode_step_ref
-
-# the one-token step as one launch (specla_kernels.decode_step) instead of four GEMVs and fla's recurrence per layer;
-# read when a step runs or is captured (profile_step's "step" A/B sets it)
-STEP_KERNEL = os.environ.get("SPECLA_STEP_KERNEL") == "1"
 
 
 def _fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: int = 1) -> torch.Tensor:
@@ -143,37 +135,31 @@ def supports_fused_step(model: GatedDeltaNetForCausalLM) -> bool:
     return model.config.fuse_norm and plain_norm(model.model.norm) and model.lm_head.bias is None
 
 
-def step_shape(model: GatedDeltaNetForCausalLM) -> StepShape:
-    """What a one-token step takes besides the blocks' tensors (``supports_fused_step`` models: uniform heads)."""
-    m = model.model.layers[0].attn
-    return StepShape(m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim, m.allow_neg_eigval, model.model.norm.eps)
-
-
-def supports_one_launch_step(model: GatedDeltaNetForCausalLM) -> bool:
-    """Whether the one-launch step (``specla_kernels.decode_step``) takes a ``supports_fused_step`` model: it takes
-    the conv's size and bias and the gate parameters' dtypes once for all blocks (fla keeps ``A_log`` in fp32 in a
-    bf16 model)."""
-    kinds = {(b.attn.conv_size, b.attn.q_conv1d.bias is None, b.attn.A_log.dtype, getattr(b.attn.dt_bias, "dtype", None)) for b in model.model.layers}
-    return len(kinds) == 1 and model.model.layers[0].attn.dt_bias is not None
-
-
-def recurrent_step_(shape: StepShape, layer: StepLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One token of batch 1 (1-D ``q, k [H*K]``, ``v [HV*V]``, raw gate inputs ``a, b [HV]``) through a block's gated
-    delta rule with fla's fused-recurrent kernel (the stock layer's, same math), launched with ``layer.state`` as its
-    initial and its final state (each program reads its block before writing it back), which saves the stock call's
-    state allocation and copy; returns ``o [HV*V]``. Its pointers index token 0 of batch 0 only, so column slices of
-    one projection row are valid inputs. (A kernel of our own that takes part in the GEMVs' programmatic dependent
-    launch made the step slower: 1.183 vs 1.148 ms, session 7.)"""
-    H, HV, K, V = shape.heads, shape.v_heads, shape.head_k, shape.head_v
+def recurrent_step_(m: GatedDeltaNet, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token of batch 1 (1-D ``q, k [H*K]``, ``v [HV*V]``, raw gate inputs ``a, b [HV]``) through ``m``'s gated
+    delta rule; ``state [1, HV, V, K]`` is updated in place, the output ``o [HV*V]`` returned. With Triton: fla's
+    fused-recurrent kernel (the stock layer's, same math) launched with the state as its initial and its final state
+    (each program reads its block before writing it back), which saves the stock call's state allocation and copy.
+    Its pointers index token 0 of batch 0 only, so column slices of one projection row are valid inputs. (A kernel of
+    our own that takes part in the GEMVs' programmatic dependent launch made the step slower: 1.183 vs 1.148 ms,
+    session 7.)"""
+    H, HV, K, V = m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    if not ops.use_triton(q):
+        o, final = backend.gated_delta_rule(
+            q.view(1, 1, H, K), k.view(1, 1, H, K), v.view(1, 1, HV, V), g=a.view(1, 1, HV), beta=b.view(1, 1, HV),
+            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=m.A_log, dt_bias=m.dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=m.allow_neg_eigval,
+            state_v_first=True)
+        state.copy_(final)
+        return o.view(-1).to(v.dtype)
     o = v.new_empty(HV * V)
     BV = min(8, triton.next_power_of_2(V))      # as fla's wrapper launches it
     fused_recurrent_gated_delta_rule_fwd_kernel[(triton.cdiv(V, BV) * HV,)](
-        q=q, k=k, v=v, g=a, gk=None, gv=None, beta=b, A_log=layer.A_log, dt_bias=layer.dt_bias, o=o,
-        h0=layer.state, ht=layer.state, cu_seqlens=None, scale=K ** -0.5, T=1, H=H, HV=HV, K=K, V=V,
-        BK=triton.next_power_of_2(K), BV=BV, IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True,
-        APPLY_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=shape.allow_neg_eigval, STATE_V_FIRST=True, num_warps=1,
-        num_stages=3)
+        q=q, k=k, v=v, g=a, gk=None, gv=None, beta=b, A_log=m.A_log, dt_bias=m.dt_bias, o=o, h0=state, ht=state,
+        cu_seqlens=None, scale=K ** -0.5, T=1, H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=True,
+        ALLOW_NEG_EIGVAL=m.allow_neg_eigval, STATE_V_FIRST=True, num_warps=1, num_stages=3)
     return o
 
 
@@ -201,9 +187,6 @@ class GDNRunner:
                        if cuda_graphs else None)
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
-        if self.fused_step:
-            self._step_shape = step_shape(model)
-            self._step_kernel = DecodeStep(self._step_shape) if supports_one_launch_step(model) else None
         self._caches: dict[int, SpecLACache] = {}
 
     @classmethod
@@ -330,24 +313,27 @@ class GDNRunner:
         return RunnerOutput(self.model.lm_head(self.model.model.norm(h)), tuple(hidden))
 
     def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
-        """One token of batch 1 (``supports_fused_step``): per layer, the input projection (attn norm before it,
-        short conv and window shift after it), the recurrence in place, the output projection (gated norm before
+        """One token of batch 1 (``supports_fused_step``): per layer, the input projection GEMV (attn norm before
+        it, short conv and window shift after it), the recurrence in place, the output projection (gated norm before
         it), the MLP's gate|up (residual add and norm before it) and down projection (SwiGLU before it, residual add
-        after it); ``decode_step_ref``'s composition, with the GEMV kernels and fla's recurrence on the GPU, or all of
-        it as one launch (``STEP_KERNEL``). Rounds where the general path rounds: it computes the same step up to
-        summation order."""
+        after it). Rounds where the general path rounds: it computes the same step up to summation order."""
         cache.advance(1)
-        layers = [StepLayer(*fuse_mixer_weights(m), m.A_log, m.dt_bias,
-                            block.attn_norm.weight, m.o_norm.weight, m.o_proj.weight, block.mlp_norm.weight,
-                            fuse_mlp_weights(block.mlp), block.mlp.down_proj.weight, layer.window[0], layer.state[0],
-                            block.attn_norm.eps, m.o_norm.eps, block.mlp_norm.eps)
-                  for block, m, layer in zip(self.blocks, self.mixers, cache.layers)]
-        args = (input_ids, self.model.model.embeddings.weight, layers, self.model.model.norm.weight,
-                self.model.lm_head.weight)
-        if STEP_KERNEL and self._step_kernel is not None and ops.use_triton(input_ids):
-            return self._step_kernel(*args).view(1, 1, -1)
-        recurrence = functools.partial(recurrent_step_, self._step_shape) if ops.use_triton(input_ids) else None
-        return decode_step_ref(*args, self._step_shape, gemv=ops.gemv, recurrence=recurrence).view(1, 1, -1)
+        h = self.model.model.embeddings(input_ids).view(-1)
+        for block, m, layer in zip(self.blocks, self.mixers, cache.layers):
+            proj, conv_weight, conv_bias = fuse_mixer_weights(m)
+            p = ops.gemv(proj, h, norm=(block.attn_norm.weight, block.attn_norm.eps),
+                         conv=(layer.window[0], conv_weight, conv_bias))
+            y, gate, a, b = projection_columns(m, p)          # y: q|k|v after the conv epilogue
+            q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim])
+            o = recurrent_step_(m, q, k, v, a, b, layer.state)
+            mixed = ops.gemv(m.o_proj.weight, o, norm=(m.o_norm.weight, m.o_norm.eps), gate=gate)
+            mlp = block.mlp
+            residual = torch.empty_like(h)
+            x = ops.gemv(fuse_mlp_weights(mlp), mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=h,
+                         add_out=residual)
+            h = ops.gemv(mlp.down_proj.weight, x, swiglu=True, residual=residual)
+        norm = self.model.model.norm
+        return ops.gemv(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps)).view(1, 1, -1)
 
     def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None,
                ancestors: torch.Tensor) -> torch.Tensor:

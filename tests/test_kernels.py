@@ -7,7 +7,6 @@ leaks into other test modules. With a GPU the same tests run compiled at the fla
 6 heads). Every check draws fresh random inputs and random tree topologies, and every output buffer the kernels
 allocate starts poisoned with NaN, so an element a kernel forgets to write fails the test.
 """
-import dataclasses
 import functools
 import os
 import subprocess
@@ -609,71 +608,6 @@ def test_gemv_split_k_matches_reference(device, dtype):
             check(got["add_out"], want_kw["add_out"], tol, f"{name}: residual sum")
     with pytest.raises(ValueError, match="multiple of its head size"):
         gemv(o_w, o_x, norm=(head_w, 1e-5), gate=gate, split=hd // 2)
-
-# ----------------------------------------------------------------------------------------------------------------
-# the one-launch decode step
-# ----------------------------------------------------------------------------------------------------------------
-# (layers, hidden, H, HV, K, V, intermediate, vocab, padded projection rows): on CPU awkward sizes (K, hidden,
-# intermediate and vocab not powers of two, grouped value heads, padding rows); on CUDA the 1.3B block (3 of its 21
-# layers) and a grouped-value-head twin
-STEP_SHAPES = {"cpu": [(2, 40, 2, 4, 12, 8, 50, 37, 3)],
-               "cuda": [(3, 2048, 6, 6, 256, 512, 5632, 16384, 52), (2, 2048, 2, 4, 256, 256, 5632, 16381, 0)]}
-
-
-def step_inputs(shape, conv_bias: bool, neg_eig: bool, dtype, device, gen):
-    """Random weights, window and state of a GDN model's one-token step (``reference.StepLayer``)."""
-    L, D, H, HV, K, V, I, vocab, pad = shape
-    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(device, dtype)  # noqa: E731
-    C, VD = 2 * H * K + HV * V, HV * V
-    layers = [ref.StepLayer(
-        in_proj=torch.cat([rnd(C + VD + 2 * HV, D, scale=D ** -0.5), torch.zeros(pad, D).to(device, dtype)]),
-        conv_weight=rnd(C, 4, scale=0.5), conv_bias=rnd(C, scale=0.1) if conv_bias else None,
-        A_log=(torch.randn(HV, generator=gen) * 0.5).to(device), dt_bias=rnd(HV, scale=0.5),   # fp32, as fla keeps it
-        attn_norm=rnd(D).abs() + 0.5,
-        o_norm=rnd(V).abs() + 0.5, o_proj=rnd(D, VD, scale=VD ** -0.5), mlp_norm=rnd(D).abs() + 0.5,
-        gate_up=rnd(2 * I, D, scale=D ** -0.5), down=rnd(D, I, scale=I ** -0.5), window=rnd(C, 4),
-        state=(torch.randn(HV, V, K, generator=gen) * 0.1).to(device), eps_attn=1e-6 * (i + 1), eps_o=1e-5 / (i + 1),
-        eps_mlp=1e-6 * (i + 2))    # each layer its own (an inflated model's differ)
-        for i in range(L)]
-    shape = ref.StepShape(H, HV, K, V, neg_eig, 1e-6)
-    return rnd(vocab + 3, D), layers, rnd(D).abs() + 0.5, rnd(vocab, D, scale=D ** -0.5), shape
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_step_matches_reference(device, dtype):
-    """The one-launch step (every layer's input projection + conv, recurrence, output projection, gate|up, down,
-    then the LM head) against ``decode_step_ref``: logits, every layer's state and conv window, three steps in a row
-    (the barrier counter re-arms itself; no launch hits the spin limit; each from the reference's state), with and
-    without conv bias and negative eigenvalues. Logits and states must be within the tolerance or twice the error of
-    the per-product GEMV kernels composed the same way, whichever is larger (bf16 through several blocks)."""
-    from specla_kernels.decode_step import DecodeStep
-    from specla_kernels.gemv import gemv
-    tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]
-    for shape in STEP_SHAPES[device]:
-        for conv_bias, neg_eig in [(False, False), (True, True)]:
-            gen = seeded(dtype, shape, conv_bias, 'step')
-            emb, layers, head_norm, head, s = step_inputs(shape, conv_bias, neg_eig, dtype, device, gen)
-            mine, products = ([dataclasses.replace(layer, window=layer.window.clone(), state=layer.state.clone())
-                               for layer in layers] for _ in range(2))
-            step = DecodeStep(s)
-            for t in range(3):
-                token = torch.tensor([[5 + t]], device=device)
-                want = ref.decode_step_ref(token, emb, layers, head_norm, head, s)
-                got = step(token, emb, mine, head_norm, head)
-                # through the blocks, bf16 rounding differences add up (and the interpreter truncates its casts):
-                # the logits may be off by twice what the per-product GEMV kernels' composition is off
-                by_products = ref.decode_step_ref(token, emb, products, head_norm, head, s, gemv=gemv)
-                what = f"{shape} bias={conv_bias} step {t}"
-                check(got, want, max(tol, 2 * rel(by_products, want)), f"{what}: logits")
-                for i, (a, b, c) in enumerate(zip(mine, layers, products)):
-                    check(a.state, b.state, max(tol, 2 * rel(c.state, b.state)), f"{what}: layer {i} state")
-                    check(a.window, b.window, tol, f"{what}: layer {i} window")
-                    for x in (a, c):     # each step from the same state: rounding does not compound
-                        x.state.copy_(b.state)
-                        x.window.copy_(b.window)
-            assert not step.failed(), "a launch hit the barrier's spin limit"
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # top-k of each row (the drafter's expansion)

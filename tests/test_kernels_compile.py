@@ -115,12 +115,6 @@ def call_every_wrapper():
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=512)
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=0,   # three stages
               config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8))
-    from specla_kernels.decode_step import DecodeStep
-    from specla_kernels.reference import StepLayer, StepShape
-    layers = [StepLayer(z(9280, hid), z(D, W), None, z(H), z(H), w, z(V), z(hid, H * V), w, z(2 * 5632, hid),
-                        z(hid, 5632), z(D, W), z(H, V, K, dtype=f32), 1e-6, 1e-5, 1e-6) for _ in range(2)]
-    DecodeStep(StepShape(H, H, K, V, False, 1e-6))(torch.zeros(1, 1, dtype=torch.long),
-                                                                      z(16384, hid), layers, w, z(16384, hid))
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
@@ -132,8 +126,7 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
-            "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel",
-            "decode_step_kernel"} <= names, names
+            "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if fn.__name__.startswith("gemv"))
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",
              "tree_conv_kernel"}

@@ -176,7 +176,7 @@ _TABLES: dict[tuple, torch.Tensor] = {}
 _CAPTURED: dict[tuple, torch.Tensor] = {}     # tables a captured CUDA graph reads: never freed
 
 
-def address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
     """int64 base addresses of ``tensors`` on their device, cached by address (a decoding loop reuses its buffers).
     A table a captured CUDA graph reads is kept for good. Under capture a missing table (of tensors the captured
     code made itself, at addresses its warm-up did not use) is written by fill kernels the graph replays: a copy
@@ -250,9 +250,9 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         BV, BK = min(tile["BV"], triton.next_power_of_2(V)), max(16, min(tile["BK"], triton.next_power_of_2(K)))
         n_state = len(states[0]) * B * HV * triton.cdiv(V, BV) * triton.cdiv(K, BK)
         shape.update(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
-        tables += [address_table(ts) for ts in states]
+        tables += [_address_table(ts) for ts in states]
     else:
-        tables += [address_table(windows[1])] * 4          # never read: no state programs
+        tables += [_address_table(windows[1])] * 4          # never read: no state programs
     if windows is not None:
         xs, ws = windows
         _same(xs, "x")
@@ -262,7 +262,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         n_window = len(ws) * B * triton.cdiv(D, BD)
         shape.update(X_DTYPE=TL_DTYPES[xs[0].dtype], W_DTYPE=TL_DTYPES[ws[0].dtype], W=W,
                      BW=triton.next_power_of_2(W), BD=BD)
-        tables += [address_table(xs), address_table(ws)]
+        tables += [_address_table(xs), _address_table(ws)]
     else:
         D = 0
         tables += tables[:2]                                  # never read: no window programs

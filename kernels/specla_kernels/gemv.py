@@ -112,26 +112,6 @@ def _epilogue(out, rows, m_rows, res, window, conv_w, conv_b, C, EPI: tl.constex
 
 
 @triton.jit
-def _rows(w, wt, wt_ahead, rhs, y, N, stride_w, cols, m_cols, pid, G, res, window, conv_w, conv_b, C,
-          EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr,
-          STAGES: tl.constexpr):
-    """Program ``pid`` of ``G``'s row blocks ``pid, pid + G, ..`` of ``y = W @ rhs`` with the epilogue, given its
-    first block's weight tile ``wt`` (and, with three stages, the second one's, ``wt_ahead``) already requested."""
-    for blk in range(pid, tl.cdiv(N, BN), G):
-        wt_next = _weight_block(w, blk + (STAGES - 1) * G, N, stride_w, cols, m_cols, BN)
-        rows = blk * BN + tl.arange(0, BN)
-        m_rows = rows < N
-        out = tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1).to(y.dtype.element_ty)  # the GEMM's rounding
-        out = _epilogue(out, rows, m_rows, res, window, conv_w, conv_b, C, EPI, HAS_CONV_BIAS, W, WP)
-        tl.store(y + rows, out, mask=m_rows)
-        if STAGES == 3:
-            wt = wt_ahead
-            wt_ahead = wt_next
-        else:
-            wt = wt_next
-
-
-@triton.jit
 def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, window, conv_w, conv_b, C,
                 PRO: tl.constexpr, EPI: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, KR: tl.constexpr,
                 KC: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, PER_SM: tl.constexpr,
@@ -147,17 +127,27 @@ def gemv_kernel(w, x, y, N, K, stride_w, x2, add_out, norm_w, gate, eps, res, wi
     pdl.allow_dependents(PDL)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    n_blocks = tl.cdiv(N, BN)
     cols = tl.arange(0, KR)[:, None] * KC + tl.arange(0, KC)[None, :]
     m_cols = cols < K
     wt = _weight_block(w, pid, N, stride_w, cols, m_cols, BN)
     if STAGES == 3:
         wt_ahead = _weight_block(w, pid + G, N, stride_w, cols, m_cols, BN)
-    else:
-        wt_ahead = wt
     pdl.wait_for_inputs(PDL)
     rhs = _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, pid == 0, PRO, KC, 0)
-    _rows(w, wt, wt_ahead, rhs, y, N, stride_w, cols, m_cols, pid, G, res, window, conv_w, conv_b, C, EPI,
-          HAS_CONV_BIAS, W, WP, BN, STAGES)
+    for blk in range(pid, n_blocks, G):
+        wt_next = _weight_block(w, blk + (STAGES - 1) * G, N, stride_w, cols, m_cols, BN)
+        rows = blk * BN + tl.arange(0, BN)
+        m_rows = rows < N
+        out = tl.sum(tl.sum(wt.to(tl.float32) * rhs[None, :, :], 2), 1).to(y.dtype.element_ty)  # the GEMM's rounding
+        out = _epilogue(out, rows, m_rows, res, window, conv_w, conv_b, C, EPI, HAS_CONV_BIAS, W, WP)
+        tl.store(y + rows, out, mask=m_rows)
+        if STAGES == 3:
+            wt = wt_ahead
+            wt_ahead = wt_next
+        else:
+            wt = wt_next
+
 
 
 @triton.jit

@@ -10,8 +10,6 @@ is the tree ``parents = [-1, 0, 1, ...]``. See ``docs/design.md`` for the deriva
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -364,67 +362,3 @@ def gemv_ref(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor,
             out = out + bias.float()
         y = torch.cat([F.silu(out).to(dtype), y[C:]])
     return y
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# a batch-1 GDN model's one-token step (specla_kernels.decode_step computes it in one launch)
-# ---------------------------------------------------------------------------------------------------------------------
-@dataclass
-class StepLayer:
-    """One fla GatedDeltaNet block's tensors for a one-token step (contiguous; the model dtype except ``state``)."""
-    in_proj: torch.Tensor        # [NP, D]: q | k | v | gate | a | b rows (zero rows may pad the end)
-    conv_weight: torch.Tensor    # [C, W], the q | k | v rows' depthwise conv, C = 2 * key_dim + value_dim
-    conv_bias: torch.Tensor | None
-    A_log: torch.Tensor          # [HV]
-    dt_bias: torch.Tensor        # [HV]
-    attn_norm: torch.Tensor      # [D]
-    o_norm: torch.Tensor         # [V]: the gated head norm's weight
-    o_proj: torch.Tensor         # [D, HV * V]
-    mlp_norm: torch.Tensor       # [D]
-    gate_up: torch.Tensor        # [2 * I, D]
-    down: torch.Tensor           # [D, I]
-    window: torch.Tensor         # [C, W] (newest last), updated in place
-    state: torch.Tensor          # [HV, V, K] fp32, updated in place
-    eps_attn: float              # the three norms' epsilons
-    eps_o: float
-    eps_mlp: float
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What a step needs besides the blocks' tensors: head counts and sizes, negative eigenvalues, the final norm's
-    epsilon."""
-    heads: int
-    v_heads: int
-    head_k: int
-    head_v: int
-    allow_neg_eigval: bool
-    eps_head: float
-
-
-def decode_step_ref(token: torch.Tensor, embedding: torch.Tensor, layers: list[StepLayer], head_norm: torch.Tensor,
-                    head: torch.Tensor, shape: StepShape, gemv=gemv_ref, recurrence=None) -> torch.Tensor:
-    """The logits ``[vocab]`` of one token (``token``: one id) through the blocks and the LM head, every state and
-    window updated in place. Per block: the input projection (RMSNorm before, short conv after), the gated delta rule,
-    the output projection (gated head norm before), gate|up (residual add and RMSNorm before), down (SwiGLU before,
-    residual after). ``gemv`` and ``recurrence(layer, q, k, v, a, b) -> o`` (default: the torch references) let the
-    runner launch the same composition with its per-product kernels."""
-    H, HV, K, V = shape.heads, shape.v_heads, shape.head_k, shape.head_v
-    h = embedding[token.reshape(-1)].reshape(-1)
-    for layer in layers:
-        p = gemv(layer.in_proj, h, norm=(layer.attn_norm, layer.eps_attn),
-                 conv=(layer.window, layer.conv_weight, layer.conv_bias))
-        q, k, v, gate, a, b = torch.split(p, [H * K, H * K, HV * V, HV * V, HV, HV, p.numel() - 2 * (H * K + HV * V + HV)])[:6]
-        if recurrence is None:
-            g, beta = gdn_gate_beta_ref(a, b, layer.A_log, layer.dt_bias, shape.allow_neg_eigval)
-            o, final = recurrent_gated_delta_rule_ref(q.view(1, 1, H, K), k.view(1, 1, H, K), v.view(1, 1, HV, V),
-                                                      g.view(1, 1, HV), beta.view(1, 1, HV), layer.state[None])
-            layer.state.copy_(final[0])
-            o = o.reshape(-1)
-        else:
-            o = recurrence(layer, q, k, v, a, b)
-        mixed = gemv(layer.o_proj, o, norm=(layer.o_norm, layer.eps_o), gate=gate)
-        residual = torch.empty_like(h)
-        x = gemv(layer.gate_up, mixed, norm=(layer.mlp_norm, layer.eps_mlp), add=h, add_out=residual)
-        h = gemv(layer.down, x, swiglu=True, residual=residual)
-    return gemv(head, h, norm=(head_norm, shape.eps_head))
