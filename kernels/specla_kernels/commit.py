@@ -218,11 +218,11 @@ def commit_tile(n: int) -> dict[str, int]:
     and 64 nodes it lost, 70.3 vs 67.2 and 106.8 vs 76.4; at 1 node too, 50.3 vs 48.3, session 15, where session 12
     had made it the default up to 16 nodes untimed below 16: 1-8 nodes are back to session 11's one masked dot,
     48.5-50.2 us). It reads off-path nodes' factors too, weighted 0: they must be finite, as the verify pass's
-    outputs are. Measured and removed (session 12): the window blocks first in
-    the grid (57.7 vs 57.8 us at 16 nodes, 81.3 vs 69.2 at 32) and 2-3 programs per SM looping over the state tiles
-    with the next tile's load issued first (63.5-89.0 / 72.1-166.9 / 100.4-206.3 us at 16 / 32 / 64 nodes)."""
-    return dict(BV=64, BK=128 if 16 < n <= 64 else 64, BP=32 if n <= 64 else 128, EAGER=int(8 < n <= 16),  # 128: not timed
-                num_warps=4)
+    outputs are. Measured and removed (session 12): the window blocks first in the grid (57.7 vs 57.8 us at 16 nodes,
+    81.3 vs 69.2 at 32) and 2-3 programs per SM looping over the state tiles with the next tile's load issued first
+    (63.5-89.0 / 72.1-166.9 / 100.4-206.3 us at 16 / 32 / 64 nodes)."""
+    return dict(BV=64, BK=128 if 16 < n <= 64 else 64, BP=32 if n <= 64 else 128,  # 128: not timed
+                EAGER=int(8 < n <= 16), num_warps=4)
 
 
 def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
