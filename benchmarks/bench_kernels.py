@@ -67,7 +67,12 @@ COMMIT_SWEEP = [dict(BV=bv, BK=bk, num_warps=w) for bv, bk, w in ((64, 64, 4), (
                                                                   (64, 128, 8))] + [
     dict(BV=64, BK=bk, BP=32, num_warps=4) for bk in (64, 128)] + [  # path chunks of 32 nodes
     # the factors requested with the state tile (EAGER, one dot over the padded tree)
-    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)]
+    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4),
+    # path chunks of 16 at [64, 64] (fewer registers than 32: 128 against 167 at 64 nodes, Triton 3.6 ptxas)
+    dict(BV=64, BK=64, BP=16, num_warps=4), dict(BV=32, BK=64, BP=16, num_warps=4),
+    # the default shape without the alignment hint on the tables' addresses (session 16: 32-bit state loads, 115
+    # registers at [64, 64], against 128-bit loads and 96-105 registers with it)
+    dict(ALIGN=1)]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -148,6 +153,8 @@ def main() -> None:
     ap.add_argument("--tree", choices=("deep", "drafted"), default="deep", help="the tree verified and committed")
     ap.add_argument("--no-snapshot", action="store_true", help="skip the snapshot baseline (N fla launches per "
                     "layer: the slowest part of a run at 64-128 nodes)")
+    ap.add_argument("--commit-only", action="store_true", help="only the commit, its sweep and the state stream's "
+                    "floor (the tree verify is still run once for the factors and checked)")
     args = ap.parse_args()
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
@@ -167,9 +174,13 @@ def main() -> None:
     del src, dst
     tiny = torch.zeros(16, device=dev)
     t_launch21 = bench_graph(lambda: [tiny.add_(1) for _ in range(LAYERS)])
-    out.update(copy_bw_GBps=copy_bw / 1e9, graph_21_trivial_kernels_ms=t_launch21)
-    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; 21 trivial kernels from a graph: {t_launch21 * 1e3:.1f} us",
-          flush=True)
+    # the commit's floor: torch's in-place multiply of the 21 layers' states (one read and one write of 63 MiB)
+    states = [torch.randn(B, HV, V, K, device=dev) for _ in range(LAYERS)]
+    t_rmw = bench_graph(lambda: torch._foreach_mul_(states, 0.999))
+    del states
+    out.update(copy_bw_GBps=copy_bw / 1e9, graph_21_trivial_kernels_ms=t_launch21, state_rmw_21_ms=t_rmw)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; 21 trivial kernels from a graph: {t_launch21 * 1e3:.1f} us; "
+          f"torch._foreach_mul_ of the 21 states: {t_rmw * 1e3:.1f} us", flush=True)
 
     state_bytes = HV * V * K * 4
     for n in nodes:
@@ -204,7 +215,7 @@ def main() -> None:
         default = tree_config(n, V, DTYPE)
         shapes = (SWEEP[default["BN"]] if n > 8 else SMALL_SWEEP if not default["SMALL"] else
                   SMALL_SWEEP + [dict(SMALL=False)])
-        for over in [{}] + ([] if args.quick else shapes):
+        for over in [{}] + ([] if args.quick or args.commit_only else shapes):
             o_t, _, u_t = tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents, L0["state"],
                                                 config=over)
             err = max(rel(o_t, o_r) / 10, rel(u_t, u_r))                     # o is bf16: 10x looser
@@ -265,7 +276,7 @@ def main() -> None:
                    best=best["config"] if best else None)
         for name, make in [("tree", tree), ("fla_chain", fla_chain), ("snapshot", snapshot), ("commit", commit),
                            ("conv", conv)]:
-            if name == "snapshot" and args.no_snapshot:
+            if name == "snapshot" and args.no_snapshot or args.commit_only and name != "commit":
                 continue
             row[f"{name}_1_ms"] = bench_graph(make(layers[:1]))
             row[f"{name}_21_ms"] = bench_graph(make(layers))
@@ -279,13 +290,13 @@ def main() -> None:
                 row["commit_sweep"].append(dict(tile=t, error=str(e)))
                 continue
             row["commit_sweep"].append(dict(tile=t, err=rel(s_t, s_r), ms_21=bench_graph(commit(layers, t))))
-        if best:
+        if best and not args.commit_only:
             row["tree_best_1_ms"] = bench_graph(tree(layers[:1], best["config"]))
             row["tree_best_21_ms"] = bench_graph(tree(layers, best["config"]))
         # bytes the tree verify must move per layer: state read once, inputs read, o/u/k_hat written
         tree_bytes = state_bytes + n * (2 * H * K * 2 + HV * V * 2 + 2 * HV * 4 + HV * V * 2 + HV * V * 4 + H * K * 4)
         commit_bytes = 2 * state_bytes + path_len * (HV * V * 4 + H * K * 4)
-        t_tree = row.get("tree_best_21_ms", row["tree_21_ms"])
+        t_tree = row.get("tree_best_21_ms", row.get("tree_21_ms", float("nan")))
         row.update(tree_bytes=tree_bytes, tree_GBps=tree_bytes * LAYERS / (t_tree * 1e-3) / 1e9,
                    commit_bytes=commit_bytes,
                    commit_GBps=commit_bytes * LAYERS / (row["commit_21_ms"] * 1e-3) / 1e9)
@@ -303,19 +314,21 @@ def main() -> None:
                snapshot_bytes_per_node=snapshot_node)
     save(out)
 
-    us = 1e3
+    us, nan = 1e3, float("nan")
     print(f"\n{out['device']}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth "
           f"{copy_bw / 1e9:.0f} GB/s; 21 trivial kernels from one graph {t_launch21 * us:.1f} us; times are medians "
-          "of CUDA-graph replays (L2 flushed), in us")
+          "of CUDA-graph replays (L2 flushed), in us; torch._foreach_mul_ of the 21 states (the commit's floor) "
+          f"{out['state_rmw_21_ms'] * us:.1f}")
     print("\n| N | tree 1L | tree 21L | fla chain 21L | tree/fla | snapshot 21L | commit 1L | commit 21L | conv 21L "
           "| tree GB/s | commit GB/s | path | check | best launch shape (1L, 21L) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
+        r = {"tree_1_ms": nan, "tree_21_ms": nan, "fla_chain_21_ms": nan, "conv_21_ms": nan, **r}  # --commit-only
         tb = r.get("tree_best_21_ms", r["tree_21_ms"])
-        best = (f"{r['best']} {r['tree_best_1_ms'] * us:.1f}, {r['tree_best_21_ms'] * us:.1f}" if r.get("best")
-                is not None else "-")
+        best = (f"{r['best']} {r['tree_best_1_ms'] * us:.1f}, {r['tree_best_21_ms'] * us:.1f}" if "tree_best_1_ms"
+                in r else "-")
         print(f"| {r['N']} | {r['tree_1_ms'] * us:.1f} | {r['tree_21_ms'] * us:.1f} | {r['fla_chain_21_ms'] * us:.1f} "
-              f"| {tb / r['fla_chain_21_ms']:.2f} | {r.get('snapshot_21_ms', float('nan')) * us:.1f} "
+              f"| {tb / r['fla_chain_21_ms']:.2f} | {r.get('snapshot_21_ms', nan) * us:.1f} "
               f"| {r['commit_1_ms'] * us:.1f} "
               f"| {r['commit_21_ms'] * us:.1f} | {r['conv_21_ms'] * us:.1f} | {r['tree_GBps']:.0f} "
               f"| {r['commit_GBps']:.0f} | {r['path_len']} | {'ok' if r['ok'] else 'FAIL'} | {best} |")

@@ -354,6 +354,15 @@ def test_commit_all_layers_in_one_launch(device, kind):
         for i, (s, w, (s_want, w_want)) in enumerate(zip(states, windows, want)):
             check(s, s_want, 1e-3, f"state of layer {i}")
             assert torch.equal(w, w_want), f"window of layer {i}"
+    # states 4 bytes off a 16-byte boundary (views into a larger buffer): the kernel must drop its 128-bit access
+    # (a vector load there faults on a GPU) and stay right
+    shifted = [torch.empty(s.numel() + 1, device=device)[1:].view_as(s).copy_(l["state"])
+               for s, l in zip(states, layers)]
+    assert shifted[0].data_ptr() % 16
+    commit_(parents, accepted, ancestors=anc,
+            states=(shifted, *([l[name] for l in layers] for name in ("k_hat", "u", "g"))))
+    for i, (s, (s_want, _)) in enumerate(zip(shifted, want)):
+        check(s, s_want, 1e-3, f"state of layer {i}, unaligned")
     with pytest.raises(ValueError, match="one shape"):
         commit_(parents, accepted, windows=([layers[0]["x"], layers[1]["x"][:, :, :-1]], windows[:2]))
 

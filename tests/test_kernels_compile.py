@@ -46,21 +46,28 @@ def launches():
 
 
 def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
-    """The recorded launch compiled ahead of time for sm_90 (checked: a cubin, and a PDL launch waits)."""
-    signature, constexprs = {}, {}
+    """The recorded launch compiled ahead of time for sm_90 (checked: a cubin, and a PDL launch waits), specialised
+    as the JIT specialises a launch: pointers 16-byte aligned and integers divisible by 16 marked so (``do_not_
+    specialize`` integers not), which decides whether loads are vectorised and so the registers ptxas reports."""
+    signature, constexprs, attrs = {}, {}, {}
     for param in fn.params:
         value = bound[param.name]
         if param.is_constexpr or value is None:
             signature[param.name], constexprs[param.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, torch.Tensor):
             signature[param.name] = "*" + TL_TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
         elif isinstance(value, bool):
-            signature[param.name] = "i1"
+            signature[param.name], aligned = "i1", False
         elif isinstance(value, int):
             signature[param.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            aligned = value % 16 == 0 and not param.do_not_specialize
         else:
-            signature[param.name] = "fp32"
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+            signature[param.name], aligned = "fp32", False
+        if aligned and not param.do_not_specialize_on_alignment:
+            attrs[(param.num,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm.get("cubin"), fn.__name__
     if options.get("launch_pdl"):   # may start before the previous kernel ends: must wait for it (specla_kernels.pdl)

@@ -17,6 +17,10 @@ inputs of ``[old window, x along P]``. ``accepted[b] == -1`` leaves batch row ``
 The layers' tensors are separate allocations (the pending factors are outputs of the verify pass), so the kernel takes
 tables of per-layer base addresses; one grid holds the state tiles of every layer, then the window blocks. The
 tables are cached by address, so a decoding loop whose factors live in CUDA-graph output buffers builds them once.
+Addresses read from a table carry no alignment Triton can see (a pointer argument is specialised as 16-byte aligned,
+a loaded one is not), so the kernel is told when every table's tensors are aligned (``ALIGN``, checked on the host):
+128-bit loads and stores of the state and factors instead of 32-bit ones (session 16; 115 -> 96 registers at [64, 64]
+tiles, Triton 3.6's ptxas).
 Before session 7 this was three launches (the path weights, the states, the windows), and the first rebuilt the
 ancestor mask of the tree per (layer, sequence, head).
 """
@@ -29,6 +33,14 @@ import triton.language as tl
 from specla_kernels.tree_delta import tree_ancestors
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _base(table, i_l, DTYPE: tl.constexpr, ALIGN: tl.constexpr):
+    """Layer ``i_l``'s tensor from a table of base addresses, as a pointer aligned to ``ALIGN`` bytes (checked on the
+    host). Without the hint Triton cannot know a loaded address's alignment and moves every tile element by element:
+    32-bit loads and stores of the state instead of 128-bit ones."""
+    return tl.multiple_of(tl.load(table + i_l).to(tl.pointer_type(DTYPE)), ALIGN)
 
 
 @triton.jit
@@ -63,7 +75,7 @@ def _path_update(tok, m_p, w_p, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, 
 
 @triton.jit
 def _tile(pid, state_ptrs, BHV, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-          BK: tl.constexpr, BV: tl.constexpr):
+          BK: tl.constexpr, BV: tl.constexpr, ALIGN: tl.constexpr):
     """State tile ``pid`` (layer-major, then batch x head, then [BV, BK] blocks): its layer, sequence, value and key
     heads, row and column offsets, addresses and mask."""
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -72,7 +84,7 @@ def _tile(pid, state_ptrs, BHV, H: tl.constexpr, HV: tl.constexpr, K: tl.constex
     i_v, i_k = i_vk // NK, i_vk % NK
     i_l, i_bh = i_lbh // BHV, i_lbh % BHV
     i_b, i_hv = i_bh // HV, i_bh % HV
-    state = tl.load(state_ptrs + i_l).to(tl.pointer_type(tl.float32))
+    state = _base(state_ptrs, i_l, tl.float32, ALIGN)
     o_v = i_v * BV + tl.arange(0, BV)
     o_k = i_k * BK + tl.arange(0, BK)
     m_sk = (o_v < V)[:, None] & (o_k < K)[None, :]
@@ -84,19 +96,19 @@ def _tile(pid, state_ptrs, BHV, H: tl.constexpr, HV: tl.constexpr, K: tl.constex
 def _commit_state_tile(pid, b_s, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BN: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       EAGER: tl.constexpr):
+                       EAGER: tl.constexpr, ALIGN: tl.constexpr):
     """Commit state tile ``pid``, whose current values ``b_s`` the caller has loaded."""
-    i_l, i_b, i_hv, i_h, o_v, o_k, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV)
+    i_l, i_b, i_hv, i_h, o_v, o_k, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV, ALIGN)
     rows = tl.arange(0, BN)
-    k_hat = tl.load(k_hat_ptrs + i_l).to(tl.pointer_type(tl.float32))
-    u = tl.load(u_ptrs + i_l).to(tl.pointer_type(tl.float32))
+    k_hat = _base(k_hat_ptrs, i_l, tl.float32, ALIGN)
+    u = _base(u_ptrs, i_l, tl.float32, ALIGN)
     if EAGER:
         # every node's factors, requested beside the state tile rather than after the path is known (they are the
         # verify pass's outputs, in L2): one dependent round trip fewer, the path masks the weights instead
         b_u, b_kh = _factors((i_b * Nt + rows).to(tl.int64), rows < Nt, u, k_hat, o_v, o_k, i_h, i_hv, H, HV, K, V)
     m, on_path = _path(ancestors, accepted, i_b, Nt, BN)
     if m >= 0:
-        g = tl.load(g_ptrs + i_l).to(tl.pointer_type(tl.float32))
+        g = _base(g_ptrs, i_l, tl.float32, ALIGN)
         b_g = tl.load(g + (i_b * Nt + rows).to(tl.int64) * HV + i_hv, mask=on_path, other=0.)   # path rows only
         gam_m = tl.sum(b_g, 0)
         b_w = tl.where(on_path, tl.exp(gam_m - tl.cumsum(b_g, 0)), 0.)      # e^{Γ_m - Γ_j}: the gates after j
@@ -126,14 +138,14 @@ def _commit_state_tile(pid, b_s, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancesto
 @triton.jit
 def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
                          X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-                         BN: tl.constexpr, BD: tl.constexpr):
+                         BN: tl.constexpr, BD: tl.constexpr, ALIGN: tl.constexpr):
     ND = tl.cdiv(D, BD)
     i_lb, i_d = pid // ND, pid % ND
     i_l, i_b = i_lb // B, i_lb % B
     m, on_path = _path(ancestors, accepted, i_b, Nt, BN)
     if m >= 0:
-        x = tl.load(x_ptrs + i_l).to(tl.pointer_type(X_DTYPE))
-        window = tl.load(window_ptrs + i_l).to(tl.pointer_type(W_DTYPE))
+        x = _base(x_ptrs, i_l, X_DTYPE, ALIGN)
+        window = _base(window_ptrs, i_l, W_DTYPE, ALIGN)
         o_d = i_d * BD + tl.arange(0, BD)
         m_d = o_d < D
         rows = tl.arange(0, BN)
@@ -159,25 +171,27 @@ def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, a
                   Nt, BHV, B, D, n_state,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
                   BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EAGER: tl.constexpr, X_DTYPE: tl.constexpr,
-                  W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
+                  W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, ALIGN: tl.constexpr):
     # the grid holds the state tiles, then the (short) window blocks (session 12 measured the window blocks first in
     # the grid, and programs looping over several state tiles with the next one's load issued first: both slower)
     pid = tl.program_id(0)
     if pid < n_state:
-        _, _, _, _, _, _, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV)
+        _, _, _, _, _, _, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV, ALIGN)
         _commit_state_tile(pid, tl.load(p_sk, mask=m_sk, other=0.), state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs,
-                           ancestors, accepted, Nt, BHV, H, HV, K, V, BN, BP, BK, BV, EAGER)
+                           ancestors, accepted, Nt, BHV, H, HV, K, V, BN, BP, BK, BV, EAGER, ALIGN)
     else:
         _commit_window_block(pid - n_state, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
-                             X_DTYPE, W_DTYPE, W, BW, BN, BD)
+                             X_DTYPE, W_DTYPE, W, BW, BN, BD, ALIGN)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
 _CAPTURED: dict[tuple, torch.Tensor] = {}     # tables a captured CUDA graph reads: never freed
 
 
-def _address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """int64 base addresses of ``tensors`` on their device, cached by address (a decoding loop reuses its buffers).
+def _address_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """int64 base addresses of ``tensors`` on their device, cached by address (a decoding loop reuses its buffers),
+    and the alignment in bytes (16 or 1) the kernel may assume of all of them (torch allocates 16-byte aligned; a view
+    may not be).
     A table a captured CUDA graph reads is kept for good. Under capture a missing table (of tensors the captured
     code made itself, at addresses its warm-up did not use) is written by fill kernels the graph replays: a copy
     from pageable host memory cannot be captured."""
@@ -194,7 +208,7 @@ def _address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
         table = _TABLES[key] = torch.tensor(key[1:], dtype=torch.int64, device=tensors[0].device)
     if capturing:
         _CAPTURED[key] = table
-    return table
+    return table, 16 if all(address % 16 == 0 for address in key[1:]) else 1
 
 
 def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = None) -> None:
@@ -242,7 +256,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         ancestors = tree_ancestors(parents)
     tile = {**commit_tile(Nt), **(tile or {})}
     BN = max(16, triton.next_power_of_2(Nt))
-    tables, n_state, n_window = [], 0, 0
+    tables, n_state, n_window, align = [], 0, 0, tile.get("ALIGN", 16)
     shape = dict(H=1, HV=1, K=16, V=16, BK=16, BV=16, X_DTYPE=tl.float32, W_DTYPE=tl.float32, W=1, BW=1, BD=16)
     if states is not None:
         for ts, what in zip(states, ("state", "k_hat", "u", "g")):
@@ -268,8 +282,9 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
     else:
         D = 0
         tables += tables[:2]                                  # never read: no window programs
+    align = min(align, *(a for _, a in tables))         # 16: 128-bit loads and stores of the state and factors
     commit_kernel[(n_state + n_window,)](
-        *tables, ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
+        *(t for t, _ in tables), ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
         BN=BN, BP=min(tile.get("BP") or BN, BN), EAGER=bool(tile.get("EAGER")) and (tile.get("BP") or BN) >= BN,
-        **shape, num_warps=tile["num_warps"],
+        ALIGN=align, **shape, num_warps=tile["num_warps"],
     )
