@@ -2,7 +2,7 @@
 batch 1). It checks, then times, and prints a markdown table last; with ``$OUT`` set it writes the numbers to
 ``$OUT/bench_kernels.json``.
 
-    python benchmarks/bench_kernels.py [--quick]
+    python benchmarks/bench_kernels.py [--quick] [--commit-only] [--depths 1,2,4,8,16]
 
 For N in {1, 4, 16, 32, 64, 128} draft nodes it times, each as a CUDA graph replay (median of
 ``triton.testing.do_bench``, which flushes L2 before every replay), for one layer and for all 21 layers (each layer its
@@ -126,6 +126,42 @@ def drafted_tree(n: int, gen: torch.Generator, depth: int = 8, topk: int = 4) ->
     return torch.tensor([p], dtype=torch.long)
 
 
+def comb_tree(n: int, depth: int, gen: torch.Generator) -> torch.Tensor:
+    """A chain of ``depth + 1`` nodes with the other nodes as leaves on random chain nodes above its last: a tree of
+    exactly that depth (root 0), whatever ``n`` is, so the depth-sweep solve takes ``depth`` sweeps."""
+    if not 0 <= depth < n:
+        raise ValueError(f"a tree of {n} nodes has a depth in [0, {n - 1}], not {depth}")
+    chain = list(range(-1, depth))
+    # a leaf hangs off a chain node above the last (depth 0: more roots, a forest of single nodes)
+    leaves = torch.randint(0, depth, (n - depth - 1,), generator=gen).tolist() if depth else [-1] * (n - 1)
+    return torch.tensor([chain + leaves], dtype=torch.long)
+
+
+def depth_sweep(n: int, depths: list[int], gen: torch.Generator, dev: str) -> list[dict]:
+    """The tree verify of ``n`` nodes on trees of each depth (``comb_tree``), 1 and 21 layers, each checked against
+    the reference: the slope is the cost of one depth sweep (``tree_delta._sweep_solve``), deeper than
+    ``SWEEP_MAX`` the block solve; at the first depth also q.k in the K loop (``LATE_QK=False``, which Triton 3.6 got
+    wrong at 64 nodes: its error is reported) and the block solve at that depth, to split the verify's time."""
+    layers = [layer_inputs(n, gen, dev) for _ in range(LAYERS)]
+    L0, rows = layers[0], []
+    runs = [(d, {}) for d in depths] + [(depths[0], dict(LATE_QK=False)), (depths[0], dict(SWEEP_MAX=0))]
+    for d, over in runs:
+        parents = comb_tree(n, d, gen).to(dev)
+        anc = tree_ancestors(parents)
+        o, _, u = tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents, L0["state"],
+                                        config=over)
+        o_r, _, u_r = ref.tree_gated_delta_rule_ref(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents,
+                                                    L0["state"])
+
+        def run(ls):
+            return lambda: [tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"],
+                                                  ancestors=anc, config=over) for L in ls]
+        rows.append(dict(N=n, depth=d, config=over, o_err=rel(o, o_r), u_err=rel(u, u_r),
+                         tree_1_ms=bench_graph(run(layers[:1])), tree_21_ms=bench_graph(run(layers))))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def layer_inputs(n: int, gen: torch.Generator, dev: str) -> dict:
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(dev)
@@ -153,6 +189,8 @@ def main() -> None:
     ap.add_argument("--tree", choices=("deep", "drafted"), default="deep", help="the tree verified and committed")
     ap.add_argument("--no-snapshot", action="store_true", help="skip the snapshot baseline (N fla launches per "
                     "layer: the slowest part of a run at 64-128 nodes)")
+    ap.add_argument("--depths", help="comma-separated tree depths: only the tree verify at each --nodes count on trees "
+                    "of those depths (comb_tree), to split its time into the depth sweeps and the rest")
     ap.add_argument("--commit-only", action="store_true", help="only the commit, its sweep and the state stream's "
                     "floor (the tree verify is still run once for the factors and checked)")
     args = ap.parse_args()
@@ -182,6 +220,15 @@ def main() -> None:
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; 21 trivial kernels from a graph: {t_launch21 * 1e3:.1f} us; "
           f"torch._foreach_mul_ of the 21 states: {t_rmw * 1e3:.1f} us", flush=True)
 
+    if args.depths:
+        out["depth_sweep"] = [r for n in nodes for r in depth_sweep(n, [int(d) for d in args.depths.split(",")],
+                                                                    gen, dev)]
+        save(out)
+        print("\n| N | depth | config | tree 1L us | tree 21L us | o err | u err |\n|---|---|---|---|---|---|---|")
+        for r in out["depth_sweep"]:
+            print(f"| {r['N']} | {r['depth']} | {r['config']} | {r['tree_1_ms'] * 1e3:.1f} | {r['tree_21_ms'] * 1e3:.1f} "
+                  f"| {r['o_err']:.1e} | {r['u_err']:.1e} |")
+        return
     state_bytes = HV * V * K * 4
     for n in nodes:
         t0 = time.time()
