@@ -145,3 +145,22 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
         if key not in seen:
             seen.add(key)
             compile_for_h200(fn, bound, options)
+
+
+def test_state_and_weight_streams_are_128_bit(launches):
+    """The commit streams every layer's state (63 MiB at the 1.3B shape) through addresses it loads from a table,
+    whose alignment Triton cannot see: it must mark them (``ALIGN``) to get 128-bit accesses; session 16 found it
+    moving 4 bytes at a time. The GEMV's weight stream, from a pointer argument, must be 128-bit too."""
+    from specla_kernels import commit, gemv
+    H, K, V, N = 6, 256, 512, 16
+    parents = torch.arange(-1, N - 1).view(1, N)
+    states = ([torch.zeros(1, H, V, K)], [torch.zeros(1, N, H, K)], [torch.zeros(1, N, H, V)], [torch.zeros(1, N, H)])
+    for align in (16, 1):
+        commit.commit_(parents, torch.zeros(1, dtype=torch.long), states=states, tile=dict(ALIGN=align),
+                       ancestors=torch.zeros(1, N, N, dtype=torch.bool))
+    gemv.gemv(torch.zeros(4096, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16))
+    (c_16, b_16, o_16), (c_1, b_1, o_1), (g, b_g, o_g) = launches
+    hinted, unhinted = (compile_for_h200(c, b, o).asm["ptx"] for c, b, o in ((c_16, b_16, o_16), (c_1, b_1, o_1)))
+    assert "ld.global.v4.b32" in hinted and "st.global.v4.b32" in hinted
+    assert "st.global.v4.b32" not in unhinted          # the test sees the difference the hint makes
+    assert "ld.global.v4.b32" in compile_for_h200(g, b_g, o_g).asm["ptx"]
