@@ -226,8 +226,8 @@ def main() -> None:
         save(out)
         print("\n| N | depth | config | tree 1L us | tree 21L us | o err | u err |\n|---|---|---|---|---|---|---|")
         for r in out["depth_sweep"]:
-            print(f"| {r['N']} | {r['depth']} | {r['config']} | {r['tree_1_ms'] * 1e3:.1f} | {r['tree_21_ms'] * 1e3:.1f} "
-                  f"| {r['o_err']:.1e} | {r['u_err']:.1e} |")
+            print(f"| {r['N']} | {r['depth']} | {r['config']} | {r['tree_1_ms'] * 1e3:.1f} "
+                  f"| {r['tree_21_ms'] * 1e3:.1f} | {r['o_err']:.1e} | {r['u_err']:.1e} |")
         return
     state_bytes = HV * V * K * 4
     for n in nodes:
