@@ -248,7 +248,8 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
     ``states = (states, k_hats, us, gs)``: per layer ``state [B,HV,V,K]`` fp32 and the factors of the ``Nt`` verified
     nodes (``k_hat [B,Nt,H,K]``, ``u [B,Nt,HV,V]``, ``g [B,Nt,HV]``, fp32); ``windows = (xs, windows)``: per layer
     ``x [B,Nt,D]`` raw inputs and ``window [B,D,W]`` (newest last). Each list contiguous and of one shape across
-    layers; either part may be ``None``."""
+    layers; either part may be ``None``. ``tile`` overrides ``commit_tile``'s entries, and ``ALIGN=1`` drops the
+    128-bit accesses that 16-byte-aligned tensors get (benchmarks: the unhinted kernel)."""
     B, Nt = parents.shape
     if not 1 <= Nt <= 128:
         raise ValueError(f"one tree chunk holds 1..128 nodes, got {Nt}")
