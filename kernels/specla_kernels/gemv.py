@@ -348,7 +348,8 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
     elif x.is_cuda:      # a small product (a small model, a drafter): one reasonable shape, no tuning compiles
         gemv_kernel[_grid(N, x.device)({"BN": 2, "PER_SM": 4})](*args, **consts, BN=2, PER_SM=4, STAGES=2,
                                                                   num_warps=4, launch_pdl=on)
-    else:  # the interpreter (tests): one configuration
-        gemv_kernel[(min(3, triton.cdiv(N, 2)),)](*args, **consts, BN=2, PER_SM=1,   # several blocks per program
+    else:  # the interpreter (tests): one configuration, 8 rows a block (the interpreter's cost is per block step: the
+        # fused-step decode check of tests/test_fla_parity.py took 123 s at 2 rows, 33 s at 8; test_gemv keeps 2)
+        gemv_kernel[(min(3, triton.cdiv(N, 8)),)](*args, **consts, BN=8, PER_SM=1,   # several blocks per program
                                                   STAGES=2, launch_pdl=on)
     return y
