@@ -257,7 +257,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         ancestors = tree_ancestors(parents)
     tile = {**commit_tile(Nt), **(tile or {})}
     BN = max(16, triton.next_power_of_2(Nt))
-    tables, n_state, n_window, align = [], 0, 0, tile.get("ALIGN", 16)
+    tables, n_state, n_window = [], 0, 0
     shape = dict(H=1, HV=1, K=16, V=16, BK=16, BV=16, X_DTYPE=tl.float32, W_DTYPE=tl.float32, W=1, BW=1, BD=16)
     if states is not None:
         for ts, what in zip(states, ("state", "k_hat", "u", "g")):
@@ -283,7 +283,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
     else:
         D = 0
         tables += tables[:2]                                  # never read: no window programs
-    align = min(align, *(a for _, a in tables))         # 16: 128-bit loads and stores of the state and factors
+    align = min(tile.get("ALIGN", 16), *(a for _, a in tables))   # 16: 128-bit state and factor accesses
     commit_kernel[(n_state + n_window,)](
         *(t for t, _ in tables), ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
         BN=BN, BP=min(tile.get("BP") or BN, BN), EAGER=bool(tile.get("EAGER")) and (tile.get("BP") or BN) >= BN,
