@@ -62,17 +62,14 @@ SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w) for bv, w in ((8, 1), (8, 2)
 # bench_kernels_2026-12-01_s15call1_commit_warps): 2 warps [64, 64] 57.1 / 56.6 us, [32, 64] 55.5 / 51.9; 1 warp
 # [64, 64] 59.1 / 56.9; whole state rows [16, 256] 68.9 (2 warps) and 61.7 (4), [32, 256] 62.0 (4), [32, 128] 65.9 (2);
 # against the default's 54.9 / 50.4: fewer warps or contiguous rows do not raise the commit's DRAM rate
-COMMIT_SWEEP = [dict(BV=bv, BK=bk, num_warps=w) for bv, bk, w in ((64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 4),
-                                                                  (64, 256, 4), (64, 64, 8), (128, 64, 8),
-                                                                  (64, 128, 8))] + [
-    dict(BV=64, BK=bk, BP=32, num_warps=4) for bk in (64, 128)] + [  # path chunks of 32 nodes
-    # the factors requested with the state tile (EAGER, one dot over the padded tree)
-    dict(BV=64, BK=64, BP=128, EAGER=1, num_warps=4), dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4),
-    # path chunks of 16 at [64, 64] (fewer registers than 32: 128 against 167 at 64 nodes, Triton 3.6 ptxas)
-    dict(BV=64, BK=64, BP=16, num_warps=4), dict(BV=32, BK=64, BP=16, num_warps=4),
-    # the default shape without the alignment hint on the tables' addresses (session 16: 32-bit state loads, 115
-    # registers at [64, 64], against 128-bit loads and 96-105 registers with it)
-    dict(ALIGN=1)]
+# Each entry is a whole tile (it replaces commit_tile's): every state tile that session 16's alignment hint changed,
+# with path chunks of 16 and 32 nodes (BP; up to 16 nodes both are the whole padded tree in one masked dot), with and
+# without the hint (ALIGN=1: 32-bit accesses); the whole tree in one dot (BP=128), with every node's factors
+# requested beside the state tile (EAGER) and without; 8 warps
+COMMIT_SWEEP = [dict(BV=bv, BK=bk, BP=bp, EAGER=0, ALIGN=align, num_warps=4)
+                for bv, bk in ((64, 64), (32, 64), (64, 128), (128, 64)) for bp in (16, 32) for align in (16, 1)] + [
+    dict(BV=64, BK=64, BP=128, EAGER=eager, ALIGN=16, num_warps=4) for eager in (0, 1)] + [
+    dict(BV=64, BK=64, BP=16, EAGER=0, ALIGN=16, num_warps=8)]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -139,12 +136,13 @@ def comb_tree(n: int, depth: int, gen: torch.Generator) -> torch.Tensor:
 
 def depth_sweep(n: int, depths: list[int], gen: torch.Generator, dev: str) -> list[dict]:
     """The tree verify of ``n`` nodes on trees of each depth (``comb_tree``), 1 and 21 layers, each checked against
-    the reference: the slope is the cost of one depth sweep (``tree_delta._sweep_solve``), deeper than
-    ``SWEEP_MAX`` the block solve; at the first depth also q.k in the K loop (``LATE_QK=False``, which Triton 3.6 got
-    wrong at 64 nodes: its error is reported) and the block solve at that depth, to split the verify's time."""
+    the reference: the default, the sweeps one tree level and two levels at a time (``tree_delta._sweep_solve``:
+    the slope is the cost of a sweep) and the block solve; at the first depth also q.k in the K loop
+    (``LATE_QK=False``, which Triton 3.6 got wrong at 64 nodes: its error is reported), to split the verify's time."""
     layers = [layer_inputs(n, gen, dev) for _ in range(LAYERS)]
     L0, rows = layers[0], []
-    runs = [(d, {}) for d in depths] + [(depths[0], dict(LATE_QK=False)), (depths[0], dict(SWEEP_MAX=0))]
+    solves = [{}, dict(SWEEP_MAX=16, SWEEP_SQ=False), dict(SWEEP_MAX=16, SWEEP_SQ=True), dict(SWEEP_MAX=0)]
+    runs = [(d, over) for d in depths for over in solves] + [(depths[0], dict(LATE_QK=False))]
     for d, over in runs:
         parents = comb_tree(n, d, gen).to(dev)
         anc = tree_ancestors(parents)

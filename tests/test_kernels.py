@@ -121,23 +121,24 @@ def gdn_inputs(B, N, H, HV, K, V, dtype, device, gen):
 # ----------------------------------------------------------------------------------------------------------------
 # gated delta rule over a tree
 # ----------------------------------------------------------------------------------------------------------------
-# the WY/UT kernel's two solves: the block solve, and sweeps up to depth 16 (deeper trees, the chains and deep trees
-# of SIZES, then take the block solve inside the same kernel)
-SOLVES = pytest.mark.parametrize("sweep_max", [0, 16], ids=["block", "sweeps"])
+# the WY/UT kernel's solves: the block solve, and sweeps up to depth 16, one tree level or two at a time (deeper
+# trees, the chains and deep trees of SIZES, then take the block solve inside the same kernel)
+SOLVES = pytest.mark.parametrize("solve", [dict(SWEEP_MAX=0), dict(SWEEP_MAX=16, SWEEP_SQ=False),
+                                           dict(SWEEP_MAX=16, SWEEP_SQ=True)], ids=["block", "sweeps", "sweeps2"])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["chain", "star", "deep", "bushy", "single", "forest"])
 @MODEL_DTYPES
 @SOLVES
-def test_tree_delta_matches_reference(device, kind, dtype, sweep_max):
+def test_tree_delta_matches_reference(device, kind, dtype, solve):
     gen = seeded(kind, dtype)
     B, H, HV, K, V = SHAPES[device][dtype != torch.float32]
     N = SIZES[device][kind]
     q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, dtype, device, gen)
     parents = random_parents(kind, B, N, gen).to(device)
     state_before = state.clone()
-    cfg = dict(SWEEP_MAX=sweep_max)
+    cfg = solve
     o, k_hat, u = tree_gated_delta_rule(q, k, v, g, beta, parents, state, config=cfg)
     o_ref, k_hat_ref, u_ref = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
     assert o.dtype == v.dtype and k_hat.dtype == u.dtype == torch.float32
@@ -178,7 +179,7 @@ def test_small_trees_both_kernels_match_reference(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["chain", "deep", "chain17"])
 @SOLVES
-def test_tree_delta_is_stable_on_repeated_tokens(device, kind, sweep_max):
+def test_tree_delta_is_stable_on_repeated_tokens(device, kind, solve):
     """The hard case for the solve: one key repeated along long paths, writes at full strength, no decay, so the
     strictly lower L is ~all ones on ancestors (its powers grow like binomial coefficients: a Neumann product of them
     loses fp32 precision; substitution, block doubling and sweeps must not). ``chain17``: a chain of depth 16, the
@@ -191,7 +192,7 @@ def test_tree_delta_is_stable_on_repeated_tokens(device, kind, sweep_max):
     g, beta = torch.full_like(g, -1e-4), torch.full_like(beta, 0.999)
     parents = random_parents(kind.removesuffix("17"), B, N, gen).to(device)
     want = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
-    got = tree_gated_delta_rule(q, k, v, g, beta, parents, state, config=dict(SWEEP_MAX=sweep_max))
+    got = tree_gated_delta_rule(q, k, v, g, beta, parents, state, config=solve)
     for x, w, name in zip(got, want, ("o", "k_hat", "u")):
         check(x, w, 1e-3, name)
 

@@ -221,22 +221,24 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
 
 
 def commit_tile(n: int) -> dict[str, int]:
-    """A program's ``[BV, BK]`` state tile, path nodes per dot ``BP`` and warps for a tree of ``n`` nodes: the fastest
-    of the sweep in benchmarks/bench_kernels.py (H200, 1.3B shape, 21 layers). [64, 128] for 17-64 nodes (67 / 96 us
-    at 32 / 64 nodes, against 69 / 108 at [64, 64]), [64, 64] otherwise (49 / 49 / 57 us at 1 / 4 / 16 nodes; 187 at
-    128, where [64, 128] took 386; session 8). At 33-64 nodes the path's nodes are gathered 32 per dot: 96 -> 80 us at
-    64 nodes (session 11; the whole-tree dot holds every node's factor tiles: 255 registers and spills). 8 warps lost at
-    every size. A loop over the path with a data-dependent trip count measured 94-406 us (session 7).
-    From 9 to 16 nodes ``EAGER`` (with ``BP`` = the padded tree) requests every node's factors beside the state tile
-    instead of after the path is known: 57.8 -> 55.1 and 58.6 -> 55.3 us at 16 nodes (session 12, two runs; at 32
-    and 64 nodes it lost, 70.3 vs 67.2 and 106.8 vs 76.4; at 1 node too, 50.3 vs 48.3, session 15, where session 12
-    had made it the default up to 16 nodes untimed below 16: 1-8 nodes are back to session 11's one masked dot,
-    48.5-50.2 us). It reads off-path nodes' factors too, weighted 0: they must be finite, as the verify pass's
-    outputs are. Measured and removed (session 12): the window blocks first in the grid (57.7 vs 57.8 us at 16 nodes,
-    81.3 vs 69.2 at 32) and 2-3 programs per SM looping over the state tiles with the next tile's load issued first
-    (63.5-89.0 / 72.1-166.9 / 100.4-206.3 us at 16 / 32 / 64 nodes)."""
-    return dict(BV=64, BK=128 if 16 < n <= 64 else 64, BP=32 if n <= 64 else 128,  # 128: not timed
-                EAGER=int(8 < n <= 16), num_warps=4)
+    """A program's ``[BV, BK]`` state tile, path nodes per dot ``BP``, warps, and ``ALIGN`` (1: no 128-bit accesses,
+    where that measured faster) for a tree of ``n`` nodes: the fastest of the sweep in benchmarks/bench_kernels.py
+    (H200, 1.3B shape, 21 layers, the deepest path of a deep tree; session 17, with the alignment hint of session
+    16): [64, 64] tiles with one masked dot over the tree up to 16 nodes (47.0 / 48.7 / 48.8 / 50.3 us at 1 / 4 / 8
+    / 16 nodes; ``EAGER``, every node's factors requested with the state tile, now loses at 16 nodes, 56.1 us, where
+    it won before the hint); from 17 to 32 nodes the path gathered 16 nodes per dot (58.1 us at 32 nodes, against
+    62.5 at 32 per dot and 86.0 at [64, 128]); from 33 to 64 nodes [64, 128] tiles, 32 path nodes per dot and no
+    128-bit accesses (76.5 us at 64 nodes; 101.4 with them, same 255 registers; [128, 64] 82.9, [64, 64] 88.1).
+    8 warps lost at every size; above 64 nodes the shape is untimed since the hint (187 us at 128, session 8).
+    Measured and removed: a loop over the path with a data-dependent trip count (94-406 us, session 7); the window
+    blocks first in the grid and 2-3 programs per SM looping over the state tiles (session 12); 1-2 warps and whole
+    state rows (session 15). ``EAGER`` reads off-path nodes' factors too, weighted 0: they must be finite, as the
+    verify pass's outputs are."""
+    if n <= 32:   # BP = 16: up to 16 nodes the whole (padded) tree in one dot
+        return dict(BV=64, BK=64, BP=16, EAGER=0, num_warps=4)
+    if n <= 64:
+        return dict(BV=64, BK=128, BP=32, EAGER=0, ALIGN=1, num_warps=4)
+    return dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)
 
 
 def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,

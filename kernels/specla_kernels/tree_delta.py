@@ -115,17 +115,28 @@ def _block_solve(b_l, b_r, rows, N, n_lvl, BN: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _sweep_solve(b_l, b_r, depth):
-    """``U`` with ``(I + L) U = R`` by ``depth`` sweeps of ``U <- R - L U`` from ``U = R``, for ``L`` ancestor-masked
-    on a tree of that depth. ``L_ij != 0`` only for ``j`` a strict ancestor of ``i``, so after sweep ``t`` every node
-    of depth <= t holds its final ``u``: its ancestors' were final one sweep earlier, and it is then computed from them
-    exactly as forward substitution would (no power of ``L`` is formed; the other nodes' intermediate values are
-    partial Neumann sums, bounded for the shallow trees this runs on, which enter a final row only multiplied by an
-    exact zero of ``L``). A sweep is one dot over the whole tree: ``depth`` dependent dots in place of the block
-    solve's ``2 log2 BC + NC`` (drafted trees are wide and shallow: depth 8 for the default 63-node tree)."""
-    b_u = b_r
-    for _ in range(depth):
-        b_u = b_r - tl.dot(b_l, b_u, input_precision="tf32x3")
+def _sweep_solve(b_l, b_r, depth, SQUARED: tl.constexpr):
+    """``U`` with ``(I + L) U = R`` by sweeps of ``U <- R - L U`` from ``U = R``, for ``L`` ancestor-masked on a tree
+    of depth ``depth``. ``L_ij != 0`` only for ``j`` a strict ancestor of ``i``, so after sweep ``t`` every node of
+    depth <= t holds its final ``u``: its ancestors' were final one sweep earlier, and it is then computed from them
+    exactly as forward substitution would (the other nodes' intermediate values are partial Neumann sums, bounded for
+    the shallow trees this runs on, which enter a final row only multiplied by an exact zero of ``L``). A sweep is one
+    dot over the whole tree: ``depth`` dependent dots in place of the block solve's ``2 log2 BC + NC`` (drafted trees
+    are wide and shallow: depth 8 for the default 63-node tree).
+    ``SQUARED`` sweeps two levels at a time: ``(I + L)^{-1} = (I - L^2)^{-1} (I - L)``, so ``U <- R' + L^2 U`` from
+    ``U = R' = R - L R``, with ``L^2`` formed beside ``R'`` (two independent dots); ``L^(depth+1) = 0``, so
+    ``depth // 2`` sweeps are exact: ``1 + depth // 2`` dependent dots instead of ``depth``. Its iterates are the even
+    partial sums of the same series."""
+    if SQUARED:
+        b_l2 = tl.dot(b_l, b_l, input_precision="tf32x3")
+        b_r = b_r - tl.dot(b_l, b_r, input_precision="tf32x3")
+        b_u = b_r
+        for _ in range(depth // 2):
+            b_u = b_r + tl.dot(b_l2, b_u, input_precision="tf32x3")
+    else:
+        b_u = b_r
+        for _ in range(depth):
+            b_u = b_r - tl.dot(b_l, b_u, input_precision="tf32x3")
     return b_u
 
 
@@ -147,6 +158,7 @@ def tree_gdn_fwd_kernel(
     OUT_FP32: tl.constexpr,                # o is fp32: its last product also in tf32x3
     LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
     SWEEP_MAX: tl.constexpr,               # trees of depth <= this solve by sweeps (_sweep_solve); 0: never
+    SWEEP_SQ: tl.constexpr,                # the sweeps go two tree levels at a time (_sweep_solve's SQUARED)
     PDL: tl.constexpr,                     # launched with PDL (pdl.SMALL_KERNELS)
 ):
     pdl.allow_dependents(PDL)
@@ -240,7 +252,7 @@ def tree_gdn_fwd_kernel(
             # the tree's depth (root 0): L^(depth+1) = 0, so that many sweeps solve it exactly (_sweep_solve)
             depth = tl.max(tl.sum(anc.to(tl.int32), 1), 0) - 1
             if depth <= SWEEP_MAX:
-                b_u = _sweep_solve(b_l, b_r, depth)
+                b_u = _sweep_solve(b_l, b_r, depth, SWEEP_SQ)
             else:
                 b_u = _block_solve(b_l, b_r, rows, N, n_lvl, BN, BC)
         else:
@@ -386,9 +398,12 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
     # sweeps at 64 nodes: 420 -> 406 us for 21 layers on a drafted tree of depth 8 (session 12; at 32 nodes they took
-    # 23.3 us a layer against 20.4, at 16 nodes 15.7 against 15.3 with 4 stages); GPU-tested in every dtype
+    # 23.3 us a layer against 20.4, at 16 nodes 15.7 against 15.3 with 4 stages); GPU-tested in every dtype. Session
+    # 17 (bench_kernels.py --depths, comb trees of 64 nodes): 293 / 339 / 398 / 517 us at depth 1 / 4 / 8 / 16, ~15 us
+    # a sweep for 21 layers; the block solve 412 at depth 1
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEP_MAX if BN == 64 else 0)
+                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEP_MAX if BN == 64 else 0,
+                SWEEP_SQ=False)   # two levels a sweep: CPU-tested, not yet timed (bench_kernels.py --depths)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -457,7 +472,8 @@ def tree_gated_delta_rule(
         *tensors, scale, N, (min(N, cfg['BC']) - 1).bit_length(), *strides,
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
         BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
-        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], SWEEP_MAX=cfg['SWEEP_MAX'], PDL=on,
+        OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], SWEEP_MAX=cfg['SWEEP_MAX'],
+        SWEEP_SQ=cfg['SWEEP_SQ'], PDL=on,
         num_warps=cfg['num_warps'],
         num_stages=cfg['num_stages'], launch_pdl=on,
     )
