@@ -340,7 +340,7 @@ def test_commit_all_layers_in_one_launch(device, kind):
     windows = [l["window"].clone() for l in layers]
     # the mask built by the kernel or given (as the cache gives it); the path's nodes in one dot over the tree or
     # gathered 16 per dot (several chunks on the deep tree's long paths); every node's factors loaded before the path
-    # is known (EAGER, the default at 9-16 nodes) or after it
+    # is known (EAGER; the default before session 17 at 9-16 nodes) or after it
     anc = tree_ancestors(parents)
     gathered = functools.partial(commit_kernels.commit_, tile=dict(BP=16))
     eager = functools.partial(commit_kernels.commit_, tile=dict(BP=128, EAGER=1))
