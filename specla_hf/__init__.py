@@ -19,6 +19,7 @@ from specla_hf.decoding import SpecLAStats, speculative_decode  # noqa: E402
 from specla_hf.drafting import DraftOptions, DraftTree, DynamicTreeDrafter, GDNDrafter  # noqa: E402
 from specla_hf.gdn import GDNRunner  # noqa: E402
 from specla_hf.eagle import EagleDrafter, SpecLADrafter, SpecLADrafterConfig  # noqa: E402,F401  (registers the Auto classes)
+from specla_hf.dart import DartDrafter, SpecLADartConfig, SpecLADartDrafter  # noqa: E402,F401  (registers the Auto classes)
 
 __all__ = ["SpecLACache", "SpecLAStats", "speculative_decode", "DraftOptions", "DraftTree", "DynamicTreeDrafter",
            "GDNDrafter", "GDNRunner"]

@@ -177,7 +177,8 @@ class SpecLADrafter(PreTrainedModel):
 class _BlockRunner(GDNRunner):
     """``GDNRunner``'s machinery (tree verification and factors, CUDA graphs, tree buckets) on the drafter's block.
 
-    A call's inputs are ``(fused features [1, T, H], tokens [1, T])`` instead of token ids; its ``logits`` are the
+    A call's inputs are ``(fused features [1, T, H], tokens [1, T], *more)`` instead of token ids (``more``: further
+    arguments of the drafter's ``block_input``, e.g. ``SpecLADartDrafter``'s slots); its ``logits`` are the
     draft log-probs (fp32) and its one hidden state the drafter's output ``h``. The runner lives on the drafter
     (``for_drafter``), so the graphs captured in one generate() call serve the next ones.
     """
@@ -207,13 +208,13 @@ class _BlockRunner(GDNRunner):
         return runner
 
     def _forward(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
-        fused, tokens = inputs
+        fused, tokens, *more = inputs                 # more: what the drafter's block_input takes beyond these
         if parents is None:
             cache.advance(tokens.shape[1])
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
-        x = self.model.block_input(fused, self.embeddings(tokens))
+        x = self.model.block_input(fused, self.embeddings(tokens), *more)
         block = self.blocks[0]
         y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents, cache.ancestors)
         y, residual = block.mlp_norm(y, residual=x, prenorm=True)

@@ -16,6 +16,10 @@
    greedy) on held-out prompts. Checkpoints every ``--save-every-s`` (``--resume`` continues one). The drafter is
    saved in ``--save-dtype`` with ``train_log.json``; the final evaluation compares chain, tree and pruned tree.
 
+``--dart-slots N`` trains a DART parallel drafter instead (``specla_hf.dart``: the root as pass 1 above, then ``N``
+mask slots after random branch points, each against the target's distribution further on; its tree's bigram is
+counted from the training sequences); ``--init-from`` an EAGLE drafter starts it from those weights.
+
 Stages: ``--steps 0`` only writes the sequences (into the checkpoint); ``--sequences-from`` trains on those of one or
 more such runs instead of writing new ones (the target's text written on a CPU, trained on a GPU), and
 ``--init-from`` starts from a trained drafter rather than a fresh one.
@@ -42,11 +46,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import LogitsProcessorList, MaxLengthCriteria, PreTrainedTokenizerFast, StoppingCriteriaList
+from transformers import (AutoModelForCausalLM, LogitsProcessorList, MaxLengthCriteria, PreTrainedTokenizerFast,
+                          StoppingCriteriaList)
 
 from specla_hf.backend import use_backend
 from specla_hf.decoding import speculative_decode
+from specla_hf.dart import SpecLADartConfig, SpecLADartDrafter
 from specla_hf.eagle import SpecLADrafter, SpecLADrafterConfig
+from specla_hf.ngram import bigram_table
 from specla_hf.gdn import GDNRunner
 from specla_hf.generation import draft_options
 
@@ -139,13 +146,10 @@ def continue_text(target: GatedDeltaNetForCausalLM, prompts: torch.Tensor, new_t
 # ----------------------------------------------------------------------------------------------------------------
 # the loss
 # ----------------------------------------------------------------------------------------------------------------
-def drafter_loss(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: torch.Tensor, hard_weight: float,
-                 amp) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Two-pass (training-time test) loss on token rows ``x [B, T]`` (module docstring, step 3).
-
-    Drafter position ``t`` (``0..T-2``) reads the target's feature of position ``t`` and token ``t+1``; its label is
-    the target's distribution at position ``t+1`` (over token ``t+2``).
-    """
+def target_signals(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: torch.Tensor, amp) -> dict:
+    """The target's side of a training step on token rows ``x [B, T]``, for drafter positions ``0..T-2``: the
+    feature layers and the embeddings of tokens ``1..T-1`` the drafter reads, and its labels, the target's
+    distribution at positions ``1..T-1`` (log-probs, probs, greedy token, entropy)."""
     # the stock fla forward, no gradient: on CUDA under no_grad, in the fused_recurrent mode main() sets (the kernel
     # the target's generation compiled and autotuned already; fla's chunk kernels would autotune for ~2 minutes on a
     # cold machine); on the CPU in grad mode with nothing requiring grad, so the backend takes its chunked delta rule
@@ -154,28 +158,94 @@ def drafter_loss(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: to
         out = target(input_ids=x, output_hidden_states=True, use_cache=False)
         features = [f[:, :-1] for f in drafter.target_features(out.hidden_states)]
         embeds = out.hidden_states[0][:, 1:]                      # the target's embeddings of tokens 1..T-1
-        target_logp = torch.log_softmax(out.logits[:, 1:].float(), -1)
-    target_p = target_logp.exp()
-    greedy = target_logp.argmax(-1)
-    entropy = -(target_p * target_logp).sum(-1)
+        logp = torch.log_softmax(out.logits[:, 1:].float(), -1)
+    p = logp.exp()
+    return dict(features=features, embeds=embeds, logp=logp, p=p, greedy=logp.argmax(-1),
+                entropy=-(p * logp).sum(-1))
+
+
+def _label_loss(logq: torch.Tensor, sig: dict, rows: slice, hard_weight: float) -> tuple[torch.Tensor, ...]:
+    """Cross-entropy of draft log-probs ``logq [B, n, V]`` against the target's distributions ``rows`` (soft) plus
+    ``hard_weight`` x against its greedy tokens; also the KL and the greedy accuracy (detached)."""
+    soft = -(sig["p"][:, rows] * logq).sum(-1)
+    greedy = sig["greedy"][:, rows]
+    hard = F.nll_loss(logq.flatten(0, 1), greedy.flatten())
+    kl = (soft - sig["entropy"][:, rows]).mean().detach()
+    return soft.mean() + hard_weight * hard, kl, (logq.argmax(-1) == greedy).float().mean().detach()
+
+
+def drafter_loss(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: torch.Tensor, hard_weight: float,
+                 amp) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Two-pass (training-time test) loss on token rows ``x [B, T]`` (module docstring, step 3).
+
+    Drafter position ``t`` (``0..T-2``) reads the target's feature of position ``t`` and token ``t+1``; its label is
+    the target's distribution at position ``t+1`` (over token ``t+2``).
+    """
+    sig = target_signals(drafter, target, x, amp)
     lm_head = target.get_output_embeddings()
     metrics, total = {}, 0.0
     # fla's chunk backward is refused on Hopper (Triton 3.6), so the drafter's delta rule goes through torch
     # autograd; its norms, conv and MLP too: for one small layer the eager torch path costs little, while fla's
     # backward kernels spend minutes autotuning on a cold machine (docs/target-model.md)
     with use_backend(modules="torch", delta_rule="torch"), amp:
-        fused = drafter.fuse(features)
-        h1 = drafter(fused, embeds)
+        fused = drafter.fuse(sig["features"])
+        h1 = drafter(fused, sig["embeds"])
         # pass 2: position t reads the drafter's own output at t-1 in place of the target's feature of position t
-        h2 = drafter(torch.cat([fused[:, :1], h1[:, :-1]], 1), embeds)
+        h2 = drafter(torch.cat([fused[:, :1], h1[:, :-1]], 1), sig["embeds"])
         for name, h, first in (("1", h1, 0), ("2", h2, 1)):   # pass 2's position 0 repeats pass 1's
             logq = torch.log_softmax(lm_head(drafter.norm(h[:, first:])).float(), -1)
-            soft = -(target_p[:, first:] * logq).sum(-1)
-            hard = F.nll_loss(logq.flatten(0, 1), greedy[:, first:].flatten())
-            total = total + soft.mean() + hard_weight * hard
-            metrics[f"kl{name}"] = (soft - entropy[:, first:]).mean().detach()
-            metrics[f"acc{name}"] = (logq.argmax(-1) == greedy[:, first:]).float().mean().detach()
+            loss, metrics[f"kl{name}"], metrics[f"acc{name}"] = _label_loss(logq, sig, slice(first, None),
+                                                                            hard_weight)
+            total = total + loss
     return total, metrics
+
+
+def dart_loss(drafter: SpecLADartDrafter, target: GatedDeltaNetForCausalLM, x: torch.Tensor, hard_weight: float,
+              amp, branches: int, rng: random.Random) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DART drafter's loss on token rows ``x [B, T]`` (``specla_hf.dart``): sequence-mode passes over drafter
+    positions ``0..t`` followed by the mask slots, at ``branches`` branch points ``t`` (the last possible one and
+    random others). Positions ``0..t`` of the longest pass are trained as EAGLE's first pass (the root's depth-1
+    distribution); slot ``j`` after position ``t`` against the target's distribution at position ``t + 1 + j``
+    (``j`` tokens past the root's label). Metrics ``kl1`` / ``acc1``: the root; ``kl2`` / ``acc2``: the first slot
+    (depth 2); ``acc_slots``: every slot."""
+    sig = target_signals(drafter, target, x, amp)
+    S, n = drafter.config.draft_slots, sig["embeds"].shape[1]
+    last = n - 1 - S                                   # the slots of a branch at t read labels up to t + S
+    if last < 0:
+        raise ValueError(f"training rows of {x.shape[1]} tokens are too short for {S} draft slots: at least "
+                         f"{S + 2} tokens are needed")
+    points = [last] + rng.sample(range(last), min(branches - 1, last))
+    lm_head = target.get_output_embeddings()
+    total, slot_loss, metrics, slot_acc = 0.0, 0.0, {}, []
+    with use_backend(modules="torch", delta_rule="torch"), amp:
+        fused = drafter.fuse(sig["features"])
+        for t in points:
+            h = drafter.forward_slots(fused, sig["embeds"], t)
+            if t == last:             # the shorter passes repeat these rows
+                logq = torch.log_softmax(lm_head(drafter.norm(h[:, :t + 1])).float(), -1)
+                total, metrics["kl1"], metrics["acc1"] = _label_loss(logq, sig, slice(0, t + 1), hard_weight)
+            logq = torch.log_softmax(lm_head(drafter.norm(h[:, t + 1:])).float(), -1)
+            for j in range(S):
+                loss, kl, acc = _label_loss(logq[:, j:j + 1], sig, slice(t + 1 + j, t + 2 + j), hard_weight)
+                slot_loss = slot_loss + loss / (S * len(points))
+                slot_acc.append(acc)
+                if j == 0:
+                    metrics["kl2"] = metrics.get("kl2", 0.0) + kl / len(points)
+                    metrics["acc2"] = metrics.get("acc2", 0.0) + acc / len(points)
+    metrics["acc_slots"] = torch.stack(slot_acc).mean()
+    return total + slot_loss, metrics
+
+
+def dart_from_eagle(eagle: SpecLADrafter, **dart) -> SpecLADartDrafter:
+    """A DART drafter starting from a trained EAGLE drafter's weights (its first pass is the DART root's job) with
+    fresh slots."""
+    fields = {k: v for k, v in eagle.config.to_dict().items() if k not in ("model_type", "architectures")}
+    cfg = SpecLADartConfig(**{**fields, **dart})
+    model = SpecLADartDrafter(cfg).to(eagle.dtype)
+    missing, unexpected = model.load_state_dict(eagle.state_dict(), strict=False)
+    if unexpected or set(missing) != {"slot_inputs", "ngram_next", "ngram_logp", "ngram_floor"}:
+        raise ValueError(f"cannot start a DART drafter from this drafter: missing {missing}, unexpected {unexpected}")
+    return model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,6 +339,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hard-weight", type=float, default=0.5, help="weight of the greedy-token cross-entropy")
     ap.add_argument("--hidden-ratio", type=int, default=2, help="drafter MLP width / hidden size")
     ap.add_argument("--feature-layers", type=int, nargs="+", help="GDNRunner numbering (default: low, mid, top)")
+    ap.add_argument("--dart-slots", type=int, default=0, help="train a DART parallel drafter (specla_hf.dart) with "
+                    "this many mask slots (depths 2 .. slots + 1 from one pass); 0: the EAGLE drafter")
+    ap.add_argument("--branches", type=int, default=4, help="DART: slot branch points per training row and step")
+    ap.add_argument("--ngram-weight", type=float, default=0.5, help="DART: weight of the bigram in the tree")
     ap.add_argument("--eval-every-s", type=float, default=90.0)
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--eval-prompt-len", type=int, default=32)
@@ -370,14 +444,22 @@ def main(argv: list[str] | None = None) -> None:
     # checkpoint (--resume: both, and the optimizer)
     state = {"step": 0, "cursor": 0, "perm": [], "history": [], "evals": []}
     trained = ckpt_dir if args.resume else args.init_from
+    dart = dict(draft_slots=args.dart_slots, ngram_weight=args.ngram_weight) if args.dart_slots else None
     if trained:
-        drafter = SpecLADrafter.from_pretrained(trained, dtype=torch.float32)
+        drafter = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)   # EAGLE or DART
+        if not isinstance(drafter, SpecLADrafter):
+            raise ValueError(f"{trained} holds a {type(drafter).__name__}, not a SpecLA drafter")
         drafter.check_target(target)
+        if dart and not isinstance(drafter, SpecLADartDrafter):
+            drafter = dart_from_eagle(drafter, **dart)
+        elif not dart and isinstance(drafter, SpecLADartDrafter):
+            raise ValueError(f"{trained} is a DART drafter: pass --dart-slots {drafter.config.draft_slots}")
     else:
         overrides = dict(num_heads=2, head_dim=16) if args.cpu_smoke else {}
-        cfg = SpecLADrafterConfig.for_target(target.config, feature_layers=args.feature_layers,
-                                             hidden_ratio=args.hidden_ratio, **overrides)
-        drafter = SpecLADrafter(cfg)
+        cfg = (SpecLADartConfig if dart else SpecLADrafterConfig).for_target(
+            target.config, feature_layers=args.feature_layers, hidden_ratio=args.hidden_ratio, **overrides,
+            **(dart or {}))
+        drafter = (SpecLADartDrafter if dart else SpecLADrafter)(cfg)
     written = [ckpt_dir] if args.resume else args.sequences_from
     if written:
         sequences = load_sequences(written)
@@ -387,6 +469,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume:
         saved = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
         print(f"resumed from {ckpt_dir} at step {saved['step']}")
+    elif dart:
+        # the tree's bigram: of the target's own text, as the drafter's labels are
+        drafter.set_bigram(bigram_table(sequences, drafter.config.vocab_size, drafter.config.ngram_topk))
     drafter = drafter.to(device).train()
     sequences = sequences.to(device)
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -450,7 +535,10 @@ def main(argv: list[str] | None = None) -> None:
                            (state["step"] - first_step) / args.steps if args.steps else 0.0)
             for group in opt.param_groups:
                 group["lr"] = lr_at(state["step"], progress, args.lr, args.warmup)
-            loss, metrics = drafter_loss(drafter, target, x, args.hard_weight, amp)
+            if dart:
+                loss, metrics = dart_loss(drafter, target, x, args.hard_weight, amp, args.branches, rng)
+            else:
+                loss, metrics = drafter_loss(drafter, target, x, args.hard_weight, amp)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
