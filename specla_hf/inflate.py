@@ -98,7 +98,8 @@ def _inflate_block(s_block, b_block, r_h: float) -> None:
 
 @torch.no_grad()
 def inflate_drafter(drafter, small_target: GatedDeltaNetForCausalLM, big_target: GatedDeltaNetForCausalLM):
-    """A ``SpecLADrafter`` trained for ``small_target``, widened for ``inflate_gdn(small_target, ...)``.
+    """A ``SpecLADrafter`` (or ``SpecLADartDrafter``) trained for ``small_target``, widened for
+    ``inflate_gdn(small_target, ...)``.
 
     The inflated target's hidden states are the small target's padded with zeros, and its top layer (after the extra,
     zero-output blocks) equals the small target's; so the drafter is widened the same way (its block like a target
@@ -106,16 +107,19 @@ def inflate_drafter(drafter, small_target: GatedDeltaNetForCausalLM, big_target:
     target's top layer. It then drafts exactly what the small drafter drafts, at the cost of a drafter of the large
     target's width (one block of the large shape plus the large target's LM head).
     """
-    from specla_hf.eagle import SpecLADrafter, SpecLADrafterConfig
+    from specla_hf.dart import SpecLADartDrafter
 
     drafter.check_target(small_target)
     s_cfg, L_s, L_b = drafter.config, small_target.config.num_hidden_layers, big_target.config.num_hidden_layers
     layers = [L_b if i == L_s else i for i in s_cfg.feature_layers]
-    cfg = SpecLADrafterConfig.for_target(big_target.config, feature_layers=layers, hidden_ratio=s_cfg.hidden_ratio)
+    dart = isinstance(drafter, SpecLADartDrafter)
+    extra = {k: getattr(s_cfg, k) for k in ("draft_slots", "ngram_topk", "ngram_weight", "ngram_candidates")} \
+        if dart else {}
+    cfg = type(s_cfg).for_target(big_target.config, feature_layers=layers, hidden_ratio=s_cfg.hidden_ratio, **extra)
     h_s, h_b = s_cfg.hidden_size, cfg.hidden_size
     cfg.norm_eps = s_cfg.norm_eps * h_s / h_b          # every hidden-size norm sees mean(x^2) shrink by h_s/h_b
     with torch.device(big_target.device):
-        big = SpecLADrafter(cfg).to(big_target.dtype)
+        big = type(drafter)(cfg).to(big_target.dtype)
     r_h = math.sqrt(h_s / h_b)
     # fuse() RMS-normalises each padded feature over the wide width: its output grows by 1 / r_h, so fc shrinks
     fc = big.fc.weight.view(h_b, len(layers), h_b)
@@ -127,6 +131,9 @@ def inflate_drafter(drafter, small_target: GatedDeltaNetForCausalLM, big_target:
     for name in ("embed_norm", "feature_norm", "norm"):
         _put(getattr(big, name).weight, getattr(drafter, name).weight * r_h)
     _inflate_block(drafter.block, big.block, r_h)
+    if dart:       # the slots are block inputs, padded with zeros like the in_proj outputs; the bigram is the same
+        _put(big.slot_inputs, drafter.slot_inputs)
+        big.set_bigram((drafter.ngram_next, drafter.ngram_logp, drafter.ngram_floor))
     return big.eval()
 
 

@@ -22,12 +22,19 @@ def test_inflated_model_matches_small_model():
                                     confidence_threshold=0.0), plain_small)
 
 
-def test_inflated_drafter_drafts_what_the_small_drafter_drafts():
-    from specla_hf import SpecLADrafter, SpecLADrafterConfig
+@pytest.mark.parametrize("kind", ["eagle", "dart"])
+def test_inflated_drafter_drafts_what_the_small_drafter_drafts(kind):
+    from specla_hf import SpecLADartConfig, SpecLADartDrafter, SpecLADrafter, SpecLADrafterConfig
     from specla_hf.inflate import inflate_pair
+    from specla_hf.ngram import bigram_table
     small = tiny_gdn(seed=13, hidden=64, layers=3, heads=2, head_dim=16)
     torch.manual_seed(3)
-    drafter = SpecLADrafter(SpecLADrafterConfig.for_target(small.config, num_heads=2, head_dim=16)).eval()
+    if kind == "dart":
+        drafter = SpecLADartDrafter(SpecLADartConfig.for_target(small.config, num_heads=2, head_dim=16,
+                                                                draft_slots=3)).eval()
+        drafter.set_bigram(bigram_table([torch.randint(0, 97, (300,)) % 11], 97, drafter.config.ngram_topk))
+    else:
+        drafter = SpecLADrafter(SpecLADrafterConfig.for_target(small.config, num_heads=2, head_dim=16)).eval()
     with torch.no_grad():                       # peaked draft distributions: top-k choices are not near-ties
         for p in drafter.parameters():
             if p.dim() == 2:
@@ -36,7 +43,7 @@ def test_inflated_drafter_drafts_what_the_small_drafter_drafts():
                               hidden_ratio=2, vocab_size=97, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     big, big_drafter = inflate_pair(small, drafter, cfg)           # the aligned drafter is inflated with it
     assert big_drafter.config.feature_layers == [0, 1, 6]        # small top layer 3 -> inflated top layer 6
-    assert big_drafter.config.hidden_size == 160
+    assert big_drafter.config.hidden_size == 160 and type(big_drafter) is type(drafter)
     with pytest.raises(ValueError, match="does not fit"):
         big_drafter.check_target(small)
 
