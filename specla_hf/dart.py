@@ -39,7 +39,7 @@ class SpecLADartConfig(SpecLADrafterConfig):
 
     model_type = "specla_dart"
 
-    def __init__(self, draft_slots: int = 5, ngram_topk: int = 16, ngram_weight: float = 0.5,
+    def __init__(self, draft_slots: int = 5, ngram_topk: int = 16, ngram_weight: float = 0.25,
                  ngram_candidates: int = 8, **kwargs):
         if draft_slots < 1 or ngram_topk < 1 or ngram_candidates < 1 or ngram_weight < 0:
             raise ValueError(f"draft_slots, ngram_topk and ngram_candidates must be >= 1 and ngram_weight >= 0; got "
@@ -140,6 +140,8 @@ class DartDrafter(EagleDrafter):
         self.cache.discard()
 
     def _depth_step(self, d: int, root_consumed: bool) -> None:
+        """``DynamicTreeDrafter._depth_step`` without a drafter pass past depth 1 (and without EAGLE's per-node
+        inputs): depth 1 runs the slot pass, every depth expands its frontier from its row of ``depth_logp``."""
         b, K = self.buffers, self.options.topk
         n, F = 1 + K * (d - 1), (1 if d == 1 else K)               # nodes so far; the newest F are the frontier
         if d == 1:
@@ -161,10 +163,6 @@ class DartDrafter(EagleDrafter):
             q = lp.expand(parents.shape[0], -1)
         top_q, at = torch.topk(q, k, -1)
         return top_q, cand[at]
-
-    # ``add_nodes`` feeds EAGLE's parents' outputs to the next depth's pass: no such pass here
-    def add_nodes(self, first: int, parents: torch.Tensor) -> None:
-        pass
 
 
 AutoConfig.register(SpecLADartConfig.model_type, SpecLADartConfig)

@@ -236,6 +236,15 @@ def dart_loss(drafter: SpecLADartDrafter, target: GatedDeltaNetForCausalLM, x: t
     return total + slot_loss, metrics
 
 
+def text_bigram(sequences: torch.Tensor, tokenizer: PreTrainedTokenizerFast, texts: list[str],
+                config: SpecLADartConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DART tree's bigram (``specla_hf.ngram.bigram_table``) of the target-written ``sequences`` and the corpus
+    documents ``texts``: the target's own text, as the drafter's labels are, and enough corpus text that the
+    successors of rarer tokens are counted at all."""
+    docs = [torch.tensor(ids) for i in range(0, len(texts), 256) for ids in tokenizer(texts[i:i + 256])["input_ids"]]
+    return bigram_table([*sequences.cpu(), *docs], config.vocab_size, config.ngram_topk)
+
+
 def dart_from_eagle(eagle: SpecLADrafter, **dart) -> SpecLADartDrafter:
     """A DART drafter starting from a trained EAGLE drafter's weights (its first pass is the DART root's job) with
     fresh slots."""
@@ -342,7 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dart-slots", type=int, default=0, help="train a DART parallel drafter (specla_hf.dart) with "
                     "this many mask slots (depths 2 .. slots + 1 from one pass); 0: the EAGLE drafter")
     ap.add_argument("--branches", type=int, default=4, help="DART: slot branch points per training row and step")
-    ap.add_argument("--ngram-weight", type=float, default=0.5, help="DART: weight of the bigram in the tree")
+    ap.add_argument("--ngram-weight", type=float, default=0.25, help="DART: weight of the bigram in the tree")
+    ap.add_argument("--bigram-docs", type=int, default=4096, help="DART: corpus documents the bigram counts "
+                    "beside the target-written sequences")
     ap.add_argument("--eval-every-s", type=float, default=90.0)
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--eval-prompt-len", type=int, default=32)
@@ -470,8 +481,7 @@ def main(argv: list[str] | None = None) -> None:
         saved = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
         print(f"resumed from {ckpt_dir} at step {saved['step']}")
     elif dart:
-        # the tree's bigram: of the target's own text, as the drafter's labels are
-        drafter.set_bigram(bigram_table(sequences, drafter.config.vocab_size, drafter.config.ngram_topk))
+        drafter.set_bigram(text_bigram(sequences, tokenizer, texts[:args.bigram_docs], drafter.config))
     drafter = drafter.to(device).train()
     sequences = sequences.to(device)
     n_params = sum(p.numel() for p in drafter.parameters())
