@@ -18,7 +18,8 @@
 
 ``--dart-slots N`` trains a DART parallel drafter instead (``specla_hf.dart``: the root as pass 1 above, then ``N``
 mask slots after random branch points, each against the target's distribution further on; its tree's bigram is
-counted from the training sequences); ``--init-from`` an EAGLE drafter starts it from those weights.
+counted from the training sequences and ``--bigram-docs`` corpus documents); ``--init-from`` an EAGLE drafter starts
+it from those weights.
 
 Stages: ``--steps 0`` only writes the sequences (into the checkpoint); ``--sequences-from`` trains on those of one or
 more such runs instead of writing new ones (the target's text written on a CPU, trained on a GPU), and

@@ -13,14 +13,6 @@ from specla_hf import DraftOptions, SpecLADartConfig, SpecLADartDrafter, SpecLAD
 from specla_hf.ngram import bigram_logp, bigram_table
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_dart(target, seed: int = 7, slots: int = 4, **overrides) -> SpecLADartDrafter:
     torch.manual_seed(seed)
     cfg = SpecLADartConfig.for_target(target.config, **{"num_heads": 2, "head_dim": 16, "draft_slots": slots,
