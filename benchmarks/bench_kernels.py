@@ -50,12 +50,13 @@ SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=
               dict(num_stages=2), dict(num_stages=4), dict(BK=32, num_stages=4)],
          128: [dict(BC=32), dict(num_warps=4), dict(num_warps=16), dict(BV=16), dict(BV=64), dict(BK=32),
                dict(BK=16, BV=16)]}
-# the other solve at each size (tree_delta.SWEEP_MAX; session 12): depth sweeps where the default is the block solve,
-# at its shape and at V slices and warps its fewer [BN, BN] tiles may favour, and the block solve at 64 nodes, whose
-# default is sweeps (the shapes above are swept with it there). A deep tree (depth > 16) always takes the block solve
-for _bn, _extra in {16: [{}, dict(BV=32)], 32: [{}, dict(BV=16), dict(num_warps=8)], 128: [{}, dict(BV=16)]}.items():
+# the other solve at each size (tree_delta.SWEEPS): depth sweeps where the default is the block solve, at its shape
+# and at V slices and warps its fewer [BN, BN] tiles may favour, and the block solve where the default sweeps shallow
+# trees (the shapes above are swept with that default). A tree deeper than the SWEEP_MAX used takes the block solve
+for _bn, _extra in {16: [{}, dict(BV=32)], 128: [{}, dict(BV=16)]}.items():
     SWEEP[_bn] += [dict(SWEEP_MAX=16, **e) for e in _extra]
-SWEEP[64].append(dict(SWEEP_MAX=0))
+for _bn in (32, 64):
+    SWEEP[_bn].append(dict(SWEEP_MAX=0))
 # up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
 SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w) for bv, w in ((8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
 # state tiles [BV, BK] of one commit program (and path nodes per dot, BP). Also measured, at 16 / 1 nodes (session 15,

@@ -32,8 +32,8 @@ TREE_CONFIGS = {16: [dict(num_warps=4), dict(BK=32)],
                 64: [dict(num_warps=8), dict(BV=16), dict(BV=16, num_warps=8), dict(BV=64, num_warps=8), dict(BK=32),
                      dict(BK=32, num_warps=8)],
                 128: [dict(BV=16), dict(BV=16, num_warps=16), dict(BK=32), dict(BK=16, BV=16)]}
-for _bn, _configs in TREE_CONFIGS.items():   # the other solve at each size (block solve at 64 nodes, else sweeps)
-    _configs.append(dict(SWEEP_MAX=0 if _bn == 64 else 16))
+for _bn, _configs in TREE_CONFIGS.items():   # the other solve at each size (block solve where the default sweeps)
+    _configs.append(dict(SWEEP_MAX=0 if tree_delta.SWEEPS.get(_bn) else 16))
 
 
 def ptxas_resources(ptx: str) -> dict[str, int]:

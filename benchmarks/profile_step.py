@@ -204,8 +204,8 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 def _setting(**values):
     """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
-    ``gemv.ROW_CONFIG``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEP_MAX`` and torch's preferred BLAS library (keys
-    ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``small_max``, ``sweep_max``, ``blas``) to
+    ``gemv.ROW_CONFIG``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEPS`` and torch's preferred BLAS library (keys
+    ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``small_max``, ``sweeps``, ``blas``) to
     the values given and the others to their defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
     0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL
     against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back
@@ -217,14 +217,14 @@ def _setting(**values):
         gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
         gemv.ROW_CONFIG = values.get("row_config")
         tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
-        tree_delta.SWEEP_MAX = values.get("sweep_max", _SWEEP_MAX)
+        tree_delta.SWEEPS = values.get("sweeps", _SWEEPS)
         torch.backends.cuda.preferred_blas_library(values.get("blas", _BLAS))
     return apply
 
 
 _GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
 _SMALL_MAX = tree_delta.SMALL_MAX
-_SWEEP_MAX = tree_delta.SWEEP_MAX
+_SWEEPS = tree_delta.SWEEPS
 _PDL_SMALL = pdl.SMALL_KERNELS
 _BLAS = torch.backends.cuda.preferred_blas_library()    # the library verify and drafter passes' GEMMs use
 DEFAULTS = _setting()
@@ -241,7 +241,7 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
     # the verify pass's GEMMs (1.03 of a 64-node pass's 1.87 ms of kernels in session 11) through cuBLASLt's choice
     "blas": {"default": _setting(), "cuBLASLt": _setting(blas="cublaslt"), "default again": _setting()},
     # the tree verify's solve by depth sweeps at 64 nodes (session 12's default), against the block solve
-    "sweep": {"default": _setting(), "block solve only": _setting(sweep_max=0), "default again": _setting()},
+    "sweep": {"default": _setting(), "block solve only": _setting(sweeps={}), "default again": _setting()},
     # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (session 14:
     # on plain products split-K streamed at 4.1 TB/s, the row-owner kernel at 3.1)
     "rows": {"default": _setting(),

@@ -319,7 +319,7 @@ def test_verify_then_commit_equals_recurrence_along_path(device, kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["bushy", "deep", "single"])
+@pytest.mark.parametrize("kind", ["bushy", "deep", "forest", "single"])
 def test_commit_all_layers_in_one_launch(device, kind):
     """``commit_`` (one launch for every layer's state and window, per-layer address tables) equals the per-layer reference
     on layers with their own states, factors and windows (separate allocations, as in a model)."""

@@ -223,21 +223,22 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
 def commit_tile(n: int) -> dict[str, int]:
     """A program's ``[BV, BK]`` state tile, path nodes per dot ``BP``, warps, and ``ALIGN`` (1: no 128-bit accesses,
     where that measured faster) for a tree of ``n`` nodes: the fastest of the sweep in benchmarks/bench_kernels.py
-    (H200, 1.3B shape, 21 layers, the deepest path of a deep tree; session 17, with the alignment hint of session
+    (H200, 1.3B shape, 21 layers, the deepest path of a deep tree; sessions 17-18, with the alignment hint of session
     16): [64, 64] tiles with one masked dot over the tree up to 16 nodes (47.0 / 48.7 / 48.8 / 50.3 us at 1 / 4 / 8
-    / 16 nodes; ``EAGER``, every node's factors requested with the state tile, now loses at 16 nodes, 56.1 us, where
-    it won before the hint); from 17 to 32 nodes the path gathered 16 nodes per dot (58.1 us at 32 nodes, against
-    62.5 at 32 per dot and 86.0 at [64, 128]); from 33 to 64 nodes [64, 128] tiles, 32 path nodes per dot and no
-    128-bit accesses (76.5 us at 64 nodes; 101.4 with them, same 255 registers; [128, 64] 82.9, [64, 64] 88.1).
-    8 warps lost at every size; above 64 nodes the shape is untimed since the hint (187 us at 128, session 8).
-    Measured and removed: a loop over the path with a data-dependent trip count (94-406 us, session 7); the window
-    blocks first in the grid and 2-3 programs per SM looping over the state tiles (session 12); 1-2 warps and whole
-    state rows (session 15). ``EAGER`` reads off-path nodes' factors too, weighted 0: they must be finite, as the
-    verify pass's outputs are."""
-    if n <= 32:   # BP = 16: up to 16 nodes the whole (padded) tree in one dot
+    / 16 nodes; ``EAGER``, every node's factors requested with the state tile, loses at 16 nodes, 56.1 us); from 17
+    to 64 nodes [64, 128] tiles with the path gathered 16 nodes per dot and no 128-bit accesses (session 18: 53.0 /
+    55.0 us at 32 / 64 nodes, against 58.3 / 65.1 for [64, 64] tiles so gathered, 75.1 / 79.6 with 128-bit accesses
+    and 66.9 / 75.9 with 32 nodes per dot; the same order on a drafted tree's deepest path). With 128-bit accesses
+    [64, 128] tiles lose and [64, 64] ones win (56.8 against 50.4 at 16 nodes without them); the cause is not
+    diagnosed. 8 warps lost at every size; above 64 nodes the shape is untimed since the hint (187 us at 128,
+    session 8). Measured and removed: a loop over the path with a data-dependent trip count (94-406 us, session 7);
+    the window blocks first in the grid and 2-3 programs per SM looping over the state tiles (session 12); 1-2 warps
+    and whole state rows (session 15). ``EAGER`` reads off-path nodes' factors too, weighted 0: they must be finite,
+    as the verify pass's outputs are."""
+    if n <= 16:   # the whole (padded) tree in one dot
         return dict(BV=64, BK=64, BP=16, EAGER=0, num_warps=4)
     if n <= 64:
-        return dict(BV=64, BK=128, BP=32, EAGER=0, ALIGN=1, num_warps=4)
+        return dict(BV=64, BK=128, BP=16, EAGER=0, ALIGN=1, num_warps=4)
     return dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)
 
 

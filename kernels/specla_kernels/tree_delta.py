@@ -360,11 +360,17 @@ INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 # 166 / 179 / 193 and fla's chain 87 / 113 / 164; at 8 nodes the WY/UT kernel wins (15 vs 27 us a layer)
 SMALL_MAX = 4
 
-# the deepest tree the WY/UT kernel solves by sweeps (_sweep_solve) instead of the block solve, at the padded size where
-# that measured faster (tree_config). Drafted trees are shallow (depth 8 for the default 63-node tree); sweeps cost a dot
-# each and their intermediate values grow like binomial coefficients of the depth on repeated keys, so deep trees (long
-# chains) take the block solve
-SWEEP_MAX = 16
+# the WY/UT kernel's solve per padded size: trees of depth <= SWEEP_MAX by sweeps (_sweep_solve), two levels a sweep
+# with SWEEP_SQ, deeper ones by the block solve (absent: the block solve always). Session 18 (H200, 21 layers, comb
+# trees, bench_kernels.py --depths; drafted trees have depth <= 8, the default tree's DraftOptions.depth): a sweep is
+# a dependent dot, ~15 us at 32 and 64 nodes (half that two levels a sweep, after one more dot), and a kernel built
+# with both solves pays ~20 us over the block-only one when it falls back to the block solve (319 against 297 at 32
+# nodes, 431 against 414 at 64). At 32 nodes two levels a sweep: 244 / 277 / 276 / 290 / 304 us at depth 1 / 4 / 5 /
+# 6 / 8 (one level 229 / 276 / 291 / 306 / 335, block 297); at 64 nodes one level: 295 / 340 / 355 / 370 / 399 at
+# depth 1 / 4 / 5 / 6 / 8 (two levels 328 / 364 / 364 / 378 / 393, block 414). Deep trees (long chains) keep the
+# block solve also because the sweeps' intermediate values grow like binomial coefficients of the depth on repeated
+# keys
+SWEEPS = {32: dict(SWEEP_MAX=16, SWEEP_SQ=True), 64: dict(SWEEP_MAX=8, SWEEP_SQ=False)}
 
 
 def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
@@ -397,13 +403,10 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         stages = 4 if BN == 16 else 3
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
-    # sweeps at 64 nodes: 420 -> 406 us for 21 layers on a drafted tree of depth 8 (session 12; at 32 nodes they took
-    # 23.3 us a layer against 20.4, at 16 nodes 15.7 against 15.3 with 4 stages); GPU-tested in every dtype. Session
-    # 17 (bench_kernels.py --depths, comb trees of 64 nodes): 293 / 339 / 398 / 517 us at depth 1 / 4 / 8 / 16, ~15 us
-    # a sweep for 21 layers; the block solve 412 at depth 1
+    # the solve by the tree's depth (SWEEPS; both sweep forms GPU-tested in every dtype)
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEP_MAX if BN == 64 else 0,
-                SWEEP_SQ=False)   # two levels a sweep: CPU-tested, not yet timed (bench_kernels.py --depths)
+                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64,
+                **SWEEPS.get(BN, dict(SWEEP_MAX=0, SWEEP_SQ=False)))
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
