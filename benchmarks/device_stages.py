@@ -11,6 +11,13 @@ budget)``; once under 20 s of the budget are left, the remaining stages are skip
 files a stage writes there come back too), and the whole work folder is packed into ``$OUT/stages.tgz`` every 15 s
 and after each stage: a stage killed at its limit, or the call killed at the device's, loses at most the last 15 s.
 ``stages.txt`` in it lists each stage's exit status and seconds. (Session 11 lost a profile and half a test run to limits that killed a pipeline before it wrote.)
+
+A fresh machine spends minutes compiling Triton kernels (session 18: the 1.3B headline's warm-up took 238 s cold
+against 49 s warm), and a machine left idle for half a minute is handed back. ``--triton-cache TGZ`` unpacks ``TGZ``
+(when it exists) into ``$TRITON_CACHE_DIR`` before the stages and packs that folder into ``$OUT/triton-cache.tgz``
+after them (give it seconds of the call's time beyond the budget), so the next call can carry it back (copy it into
+the carried ``.device`` folder first). Triton checks
+each cached kernel against its source, version and target, so a stale entry is recompiled, never used.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from pathlib import Path
 
 PACK_EVERY_S = 15
 MIN_STAGE_S = 20
+MAX_RETURNED_BYTES = 16 << 20    # the device tool returns no larger file from $OUT
 _PACKING = threading.Lock()       # the packer thread and the main loop both pack
 
 
@@ -36,6 +44,35 @@ def pack(work: Path, archive: Path) -> None:
         with tarfile.open(tmp, "w:gz") as tar:
             tar.add(work, arcname=work.name)
         os.replace(tmp, archive)
+
+
+def compile_cache() -> Path:
+    """Triton's compile cache folder (``$TRITON_CACHE_DIR``, which the device prelude sets)."""
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        raise SystemExit("--triton-cache needs TRITON_CACHE_DIR set (source .device/prelude.sh first)")
+    return Path(os.environ["TRITON_CACHE_DIR"])
+
+
+def restore_cache(archive: Path, cache: Path) -> str:
+    """Unpack a ``pack_cache`` archive into ``cache``; what it did, in words."""
+    if not archive.exists():
+        return f"triton cache: no {archive}, compiling from scratch"
+    cache.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(cache, filter="data")
+        return f"triton cache: {len(tar.getmembers())} entries from {archive}"
+
+
+def pack_cache(cache: Path, archive: Path) -> str:
+    """``cache``'s contents as an xz tar at ``archive`` (removed again if the device would not return it)."""
+    with tarfile.open(archive, "w:xz") as tar:
+        for entry in sorted(cache.iterdir()) if cache.exists() else []:
+            tar.add(entry, arcname=entry.name)
+    size = archive.stat().st_size
+    if size > MAX_RETURNED_BYTES:
+        archive.unlink()
+        return f"triton cache: {size / 2**20:.1f} MiB packed, over the {MAX_RETURNED_BYTES >> 20} MiB returned: dropped"
+    return f"triton cache: {size / 2**20:.1f} MiB in {archive}"
 
 
 def run(command: list[str], log: Path, limit: float) -> int | str:
@@ -56,7 +93,10 @@ def main() -> None:
     ap.add_argument("stages", nargs="+", help="name:seconds:command")
     ap.add_argument("--budget", type=float, required=True, help="seconds for all stages together")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--triton-cache", type=Path, help="compile cache carried in (if it exists) and packed out")
     args = ap.parse_args()
+    if args.triton_cache:
+        print(restore_cache(args.triton_cache, compile_cache()), flush=True)
     work = args.out / "stages"
     work.mkdir(parents=True, exist_ok=True)
     archive = args.out / "stages.tgz"
@@ -86,6 +126,8 @@ def main() -> None:
         pack(work, archive)
     done.set()
     pack(work, archive)
+    if args.triton_cache:
+        print(pack_cache(compile_cache(), args.out / "triton-cache.tgz"), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """benchmarks/device_stages.py: stages run under one budget; a stage cut at its limit loses neither what it wrote nor
 the stages after it, and its child processes die with it."""
+import os
 import subprocess
 import sys
 import tarfile
@@ -25,3 +26,21 @@ def test_stages_keep_their_output_when_cut(tmp_path):
     assert "first: exit 0" in summary and "slow: cut at its limit" in summary and "last: exit 0" in summary
     subprocess.run(["sleep", "7"])
     assert not marker.exists(), "the cut stage's child process survived it"
+
+
+def test_triton_cache_is_carried_in_and_packed_out(tmp_path):
+    """``--triton-cache``: a call packs the compile cache it leaves; the next, on an empty cache, starts from it."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    (first / "cache" / "abc").mkdir(parents=True)
+    (first / "cache" / "abc" / "kernel.cubin").write_bytes(b"\x7fELF compiled")
+    run = lambda out, stage: subprocess.run(                                     # noqa: E731
+        [sys.executable, str(SCRIPT), "--budget", "60", "--out", str(out), "--triton-cache",
+         str(first / "triton-cache.tgz"), stage], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "TRITON_CACHE_DIR": str(out / "cache")})
+    out = run(first, "noop:30:true")
+    assert out.returncode == 0 and "no " in out.stdout, out.stdout + out.stderr
+    assert (first / "triton-cache.tgz").exists()
+    out = run(second, f"check:30:test -f {second}/cache/abc/kernel.cubin")
+    assert out.returncode == 0 and "entries from" in out.stdout, out.stdout + out.stderr
+    assert "check: exit 0" in (second / "stages" / "stages.txt").read_text()
+    assert (second / "cache" / "abc" / "kernel.cubin").read_bytes() == b"\x7fELF compiled"
