@@ -361,15 +361,14 @@ INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
 SMALL_MAX = 4
 
 # the WY/UT kernel's solve per padded size: trees of depth <= SWEEP_MAX by sweeps (_sweep_solve), two levels a sweep
-# with SWEEP_SQ, deeper ones by the block solve (absent: the block solve always). Session 18 (H200, 21 layers, comb
-# trees, bench_kernels.py --depths; drafted trees have depth <= 8, the default tree's DraftOptions.depth): a sweep is
-# a dependent dot, ~15 us at 32 and 64 nodes (half that two levels a sweep, after one more dot), and a kernel built
+# with SWEEP_SQ (bf16 only: tree_config), deeper ones by the block solve (absent: the block solve always). Session 18
+# (H200, 21 layers, comb trees, bench_kernels.py --depths; drafted trees have depth <= 8, DraftOptions.depth): a sweep
+# is a dependent dot, ~15 us at 32 and 64 nodes (half that two levels a sweep, after one more dot), and a kernel built
 # with both solves pays ~20 us over the block-only one when it falls back to the block solve (319 against 297 at 32
-# nodes, 431 against 414 at 64). At 32 nodes two levels a sweep: 244 / 277 / 276 / 290 / 304 us at depth 1 / 4 / 5 /
-# 6 / 8 (one level 229 / 276 / 291 / 306 / 335, block 297); at 64 nodes one level: 295 / 340 / 355 / 370 / 399 at
-# depth 1 / 4 / 5 / 6 / 8 (two levels 328 / 364 / 364 / 378 / 393, block 414). Deep trees (long chains) keep the
-# block solve also because the sweeps' intermediate values grow like binomial coefficients of the depth on repeated
-# keys
+# nodes, 431 against 414 at 64). At 32 nodes two levels a sweep: 244 / 277 / 276 / 290 / 304 us at depth 1 / 4 / 5 / 6
+# / 8 (one level 229 / 276 / 291 / 306 / 335, block 297); at 64 nodes one level: 295 / 340 / 355 / 370 / 399 at depth
+# 1 / 4 / 5 / 6 / 8 (two levels 328 / 364 / 364 / 378 / 393, block 414). Deep trees (long chains) keep the block solve
+# also because the sweeps' intermediate values grow like binomial coefficients of the depth on repeated keys
 SWEEPS = {32: dict(SWEEP_MAX=16, SWEEP_SQ=True), 64: dict(SWEEP_MAX=8, SWEEP_SQ=False)}
 
 
@@ -403,10 +402,13 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         stages = 4 if BN == 16 else 3
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
-    # the solve by the tree's depth (SWEEPS; both sweep forms GPU-tested in every dtype)
+    # the solve by the tree's depth (SWEEPS). One level a sweep is GPU-tested in every dtype; two levels were timed
+    # and checked on the GPU in bf16 only, so other dtypes take the block solve where SWEEPS has two levels
+    solve = SWEEPS.get(BN, dict(SWEEP_MAX=0, SWEEP_SQ=False))
+    if solve["SWEEP_SQ"] and dtype != torch.bfloat16:
+        solve = dict(SWEEP_MAX=0, SWEEP_SQ=False)
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64,
-                **SWEEPS.get(BN, dict(SWEEP_MAX=0, SWEEP_SQ=False)))
+                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, **solve)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
