@@ -14,8 +14,8 @@ and after each stage: a stage killed at its limit, or the call killed at the dev
 
 A fresh machine spends minutes compiling Triton kernels (session 18: the 1.3B headline's warm-up took 238 s cold
 against 49 s warm), and a machine left idle for half a minute is handed back. ``--triton-cache TGZ`` unpacks ``TGZ``
-(when it exists) into ``$TRITON_CACHE_DIR`` before the stages and packs that folder into ``$OUT/triton-cache.tgz``
-after them (give it seconds of the call's time beyond the budget), so the next call can carry it back (copy it into
+(when it exists) into ``$TRITON_CACHE_DIR`` before the stages and packs that folder, without the kernels' intermediate
+IRs, into ``$OUT/triton-cache.tgz`` after them (give it seconds of the call's time beyond the budget), so the next call can carry it back (copy it into
 the carried ``.device`` folder first). Triton keys each cached kernel by its source, version and target, so a stale
 entry is recompiled, never used.
 """
@@ -34,6 +34,9 @@ from pathlib import Path
 PACK_EVERY_S = 15
 MIN_STAGE_S = 20
 MAX_RETURNED_BYTES = 16 << 20    # the device tool returns no larger file from $OUT
+# a cached Triton kernel loads from its binary and metadata alone (Triton 3.6's CompiledKernel; a cache group's
+# missing files are skipped), so its intermediate IRs stay behind: most of the cache's bytes
+IR_SUFFIXES = {".ttir", ".ttgir", ".llir", ".ptx", ".source"}
 _PACKING = threading.Lock()       # the packer thread and the main loop both pack
 
 
@@ -64,11 +67,13 @@ def restore_cache(archive: Path, cache: Path) -> str:
 
 
 def pack_cache(cache: Path, archive: Path) -> str:
-    """``cache``'s contents as an xz tar at ``archive`` (removed again if the device would not return it); the fast
-    preset, since the packing comes out of the call's time."""
+    """``cache``'s contents but the intermediate IRs as an xz tar at ``archive`` (removed again if the device would not
+    return it); the fast preset, since the packing comes out of the call's time."""
+    def keep(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if Path(member.name).suffix in IR_SUFFIXES else member
     with tarfile.open(archive, "w:xz", preset=1) as tar:
         for entry in sorted(cache.iterdir()) if cache.exists() else []:
-            tar.add(entry, arcname=entry.name)
+            tar.add(entry, arcname=entry.name, filter=keep)
     size = archive.stat().st_size
     if size > MAX_RETURNED_BYTES:
         archive.unlink()

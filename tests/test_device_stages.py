@@ -33,6 +33,7 @@ def test_triton_cache_is_carried_in_and_packed_out(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     (first / "cache" / "abc").mkdir(parents=True)
     (first / "cache" / "abc" / "kernel.cubin").write_bytes(b"\x7fELF compiled")
+    (first / "cache" / "abc" / "kernel.ptx").write_text("// an intermediate IR: not carried")
     run = lambda out, stage: subprocess.run(                                     # noqa: E731
         [sys.executable, str(SCRIPT), "--budget", "60", "--out", str(out), "--triton-cache",
          str(first / "triton-cache.tgz"), stage], capture_output=True, text=True, timeout=60,
@@ -44,3 +45,4 @@ def test_triton_cache_is_carried_in_and_packed_out(tmp_path):
     assert out.returncode == 0 and "entries from" in out.stdout, out.stdout + out.stderr
     assert "check: exit 0" in (second / "stages" / "stages.txt").read_text()
     assert (second / "cache" / "abc" / "kernel.cubin").read_bytes() == b"\x7fELF compiled"
+    assert not (second / "cache" / "abc" / "kernel.ptx").exists()
