@@ -14,10 +14,10 @@ and after each stage: a stage killed at its limit, or the call killed at the dev
 
 A fresh machine spends minutes compiling Triton kernels (session 18: the 1.3B headline's warm-up took 238 s cold
 against 49 s warm), and a machine left idle for half a minute is handed back. ``--triton-cache TGZ`` unpacks ``TGZ``
-(when it exists) into ``$TRITON_CACHE_DIR`` before the stages and packs that folder, without the kernels' intermediate
-IRs, into ``$OUT/triton-cache.tgz`` after them (give it seconds of the call's time beyond the budget), so the next call can carry it back (copy it into
-the carried ``.device`` folder first). Triton keys each cached kernel by its source, version and target, so a stale
-entry is recompiled, never used.
+(when it exists) into ``$TRITON_CACHE_DIR`` before the stages and packs that folder, without the kernels'
+intermediate IRs, into ``$OUT/triton-cache.tgz`` after them (give it seconds of the call's time beyond the budget),
+so the next call can carry it back (copy it into the carried ``.device`` folder first). Triton keys each cached
+kernel by its source, version and target, so a stale entry is recompiled, never used.
 """
 from __future__ import annotations
 
