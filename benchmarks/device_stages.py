@@ -57,7 +57,9 @@ def compile_cache() -> Path:
 
 
 def restore_cache(archive: Path, cache: Path) -> str:
-    """Unpack a ``pack_cache`` archive into ``cache``; what it did, in words."""
+    """Unpack a ``pack_cache`` archive into ``cache``; what it did, in words. Triton's group files name a kernel's
+    files by absolute path, so the archive serves a machine whose ``$TRITON_CACHE_DIR`` is the packing one's (the
+    prelude's ``/tmp/triton-cache`` on every device machine); elsewhere its kernels are compiled again."""
     if not archive.exists():
         return f"triton cache: no {archive}, compiling from scratch"
     cache.mkdir(parents=True, exist_ok=True)
