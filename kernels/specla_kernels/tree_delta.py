@@ -404,9 +404,10 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
     # the solve by the tree's depth (SWEEPS). One level a sweep is GPU-tested in every dtype; two levels were timed
     # and checked on the GPU in bf16 only, so other dtypes take the block solve where SWEEPS has two levels
-    solve = SWEEPS.get(BN, dict(SWEEP_MAX=0, SWEEP_SQ=False))
+    block = dict(SWEEP_MAX=0, SWEEP_SQ=False)
+    solve = SWEEPS.get(BN, block)
     if solve["SWEEP_SQ"] and dtype != torch.bfloat16:
-        solve = dict(SWEEP_MAX=0, SWEEP_SQ=False)
+        solve = block
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
                 num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, **solve)
 
