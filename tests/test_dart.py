@@ -180,6 +180,9 @@ def test_cpu_smoke_training_lowers_the_loss_and_starts_from_an_eagle_drafter(tmp
                                  str(tmp_path / "eagle")])
     started = AutoModelForCausalLM.from_pretrained(tmp_path / "from_eagle", dtype=torch.float32)
     assert type(started) is SpecLADartDrafter and started.config.draft_slots == 3
+    with pytest.raises(SystemExit, match="no training step fitted in --minutes 0.01"):   # no silent untrained save
+        train_drafter.main(common + ["--out", str(tmp_path / "none"), "--minutes", "0.01"])
+    assert not (tmp_path / "none" / "model.safetensors").exists()
     with pytest.raises(ValueError, match="is a DART drafter"):
         train_drafter.main([a for a in common if a not in ("--dart-slots", "3")]
                            + ["--out", str(tmp_path / "x"), "--steps", "1", "--init-from", str(tmp_path / "dart")])
