@@ -37,7 +37,6 @@ import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.defaults import load_models
 from specla_hf.cuda_graphs import copy_in
 from specla_hf.eagle import _BlockRunner
-from specla_hf import gdn
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
 from specla_kernels import gemv, pdl, tree_delta
@@ -205,13 +204,14 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 def _setting(**values):
     """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
-    ``gemv.ROW_CONFIG``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEPS``, ``gdn.PDL_RECURRENCE`` and torch's preferred
-    BLAS library (keys ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``small_max``,
-    ``sweeps``, ``pdl_recurrence``, ``blas``) to
+    ``gemv.ROW_CONFIG``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEPS`` and torch's preferred BLAS library (keys
+    ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``small_max``, ``sweeps``, ``blas``) to
     the values given and the others to their defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
     0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL
     against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back
-    copies of gate_up and lm_head suggested: 1.175 vs 1.136 ms.)"""
+    copies of gate_up and lm_head suggested: 1.175 vs 1.136 ms; in session 20 a second recurrence kernel of ours,
+    fla's arithmetic and launch shape with its state slice read before the PDL wait: ar_step 1.142 vs fla's
+    1.129 / 1.146 ms, 32 steps 35.24 vs 35.70 / 35.50 ms, commit 66d3de7, reverted.)"""
     def apply():
         pdl.USE_PDL = values.get("pdl", True)
         pdl.SMALL_KERNELS = values.get("pdl_small", _PDL_SMALL)
@@ -220,7 +220,6 @@ def _setting(**values):
         gemv.ROW_CONFIG = values.get("row_config")
         tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
         tree_delta.SWEEPS = values.get("sweeps", _SWEEPS)
-        gdn.PDL_RECURRENCE = values.get("pdl_recurrence", _PDL_RECURRENCE)
         torch.backends.cuda.preferred_blas_library(values.get("blas", _BLAS))
     return apply
 
@@ -229,7 +228,6 @@ _GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
 _SMALL_MAX = tree_delta.SMALL_MAX
 _SWEEPS = tree_delta.SWEEPS
 _PDL_SMALL = pdl.SMALL_KERNELS
-_PDL_RECURRENCE = gdn.PDL_RECURRENCE
 _BLAS = torch.backends.cuda.preferred_blas_library()    # the library verify and drafter passes' GEMMs use
 DEFAULTS = _setting()
 AB = {  # name -> its settings; a setting repeated last shows what the build order alone does
@@ -248,10 +246,6 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
     "sweep": {"default": _setting(), "block solve only": _setting(sweeps={}), "default again": _setting()},
     # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (session 14:
     # on plain products split-K streamed at 4.1 TB/s, the row-owner kernel at 3.1)
-    # the one-token recurrence: fla's kernel (launched normally) or ours inside the GEMVs' PDL chain (its state
-    # slice read before it waits; the output projection may start during it)
-    "recurrence": {"fla": _setting(pdl_recurrence=False), "ours, with PDL": _setting(pdl_recurrence=True),
-                   "fla again": _setting(pdl_recurrence=False)},
     "rows": {"default": _setting(),
              "3 stages, (4 rows, 2 per SM, 8 warps)": _setting(row_config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8)),
              "3 stages, (2 rows, 4 per SM, 4 warps)": _setting(row_config=dict(BN=2, PER_SM=4, STAGES=3, num_warps=4)),

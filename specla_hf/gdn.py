@@ -34,7 +34,7 @@ from specla_hf import backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.cuda_graphs import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward,
                                    batch_size, num_tokens, pad_tokens, to_device, tree_bucket)
-from specla_kernels import ops, recurrent_step
+from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 
@@ -135,18 +135,15 @@ def supports_fused_step(model: GatedDeltaNetForCausalLM) -> bool:
     return model.config.fuse_norm and plain_norm(model.model.norm) and model.lm_head.bias is None
 
 
-PDL_RECURRENCE = False   # read when the step is launched or captured (profile_step's "recurrence" A/B sets it)
-
-
 def recurrent_step_(m: GatedDeltaNet, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                     b: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """One token of batch 1 (1-D ``q, k [H*K]``, ``v [HV*V]``, raw gate inputs ``a, b [HV]``) through ``m``'s gated
     delta rule; ``state [1, HV, V, K]`` is updated in place, the output ``o [HV*V]`` returned. With Triton: fla's
     fused-recurrent kernel (the stock layer's, same math) launched with the state as its initial and its final state
     (each program reads its block before writing it back), which saves the stock call's state allocation and copy.
-    Its pointers index token 0 of batch 0 only, so column slices of one projection row are valid inputs. With
-    ``PDL_RECURRENCE``: ``specla_kernels.recurrent_step`` instead, the same arithmetic inside the GEMVs' programmatic
-    dependent launch chain (session 7 measured an earlier kernel of ours there slower: 1.183 vs 1.148 ms)."""
+    Its pointers index token 0 of batch 0 only, so column slices of one projection row are valid inputs. (Kernels of
+    our own that take part in the GEMVs' programmatic dependent launch did not beat it: 1.183 vs 1.148 ms in session
+    7, 1.142 vs 1.129 / 1.146 ms in session 20.)"""
     H, HV, K, V = m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
     if not ops.use_triton(q):
         o, final = backend.gated_delta_rule(
@@ -156,8 +153,6 @@ def recurrent_step_(m: GatedDeltaNet, q: torch.Tensor, k: torch.Tensor, v: torch
             state_v_first=True)
         state.copy_(final)
         return o.view(-1).to(v.dtype)
-    if PDL_RECURRENCE:
-        return recurrent_step.recurrent_step_(q, k, v, a, b, state, m.A_log, m.dt_bias, m.allow_neg_eigval)
     o = v.new_empty(HV * V)
     BV = min(8, triton.next_power_of_2(V))      # as fla's wrapper launches it
     fused_recurrent_gated_delta_rule_fwd_kernel[(triton.cdiv(V, BV) * HV,)](

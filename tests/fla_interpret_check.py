@@ -58,10 +58,4 @@ from specla_hf.gdn import GDNRunner  # noqa: E402
 
 runner = GDNRunner(target)
 out["fused_step_equal"] = runner.fused_step and bool(torch.equal(autoregressive_decode(runner, ids, 14), plain))
-# the same with our one-token recurrence kernel (inside the GEMVs' PDL chain on the GPU) in place of fla's
-from specla_hf import gdn  # noqa: E402
-
-gdn.PDL_RECURRENCE = True
-out["pdl_recurrence_equal"] = bool(torch.equal(autoregressive_decode(GDNRunner(target), ids, 14), plain))
-gdn.PDL_RECURRENCE = False
 print(json.dumps(out))

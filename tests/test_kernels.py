@@ -489,34 +489,6 @@ def test_gate_beta_matches_reference(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_recurrent_step_matches_reference(device, dtype):
-    """The one-token step's recurrence (``specla_kernels.recurrent_step``) against the token-by-token reference with
-    the reference gates, its inputs column slices of one projection row as the runner passes them, the state updated
-    in place; two tokens in a row, with and without dt_bias and negative eigenvalues, grouped value heads."""
-    from specla_kernels.recurrent_step import recurrent_step_
-    for B_, H, HV, K, V in SHAPES[device]:
-        gen = seeded(dtype, 'recurrent_step', H, HV, K, V)
-        A_log = torch.randn(HV, generator=gen).to(device)
-        for dt_bias, neg in [(torch.randn(HV, generator=gen).to(device), False), (None, True)]:
-            state = torch.randn(1, HV, V, K, generator=gen).to(device) * 0.3
-            want_state = state.clone()
-            for _ in range(2):
-                row = (torch.randn(2 * H * K + HV * V + 2 * HV + 5, generator=gen) * 2).to(device, dtype)
-                q, k, v, a, b = torch.split(row[5:], [H * K, H * K, HV * V, HV, HV])
-                o = recurrent_step_(q, k, v, a, b, state, A_log, dt_bias, neg)
-                g, beta = ref.gdn_gate_beta_ref(a, b, A_log, dt_bias, neg)
-                want, want_state = ref.recurrent_gated_delta_rule_ref(
-                    q.view(1, 1, H, K), k.view(1, 1, H, K), v.view(1, 1, HV, V), g.view(1, 1, HV),
-                    beta.view(1, 1, HV), want_state)
-                assert o.dtype == dtype
-                check(o, want.view(-1), TOL[dtype], f"o (K={K}, V={V})")
-                check(state, want_state, TOL[torch.float32], f"state (K={K}, V={V})")
-    with pytest.raises(ValueError, match="contiguous fp32"):
-        recurrent_step_(q, k, v, a, b, state.to(torch.float64), A_log, None)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gated_norm_matches_reference(device, dtype):
     """The output norm with the gate read in place from a column slice of a wider projection (and contiguous), with
     and without weight / bias, swish and sigmoid gates, odd head dims, one token and several, batch > 1."""
