@@ -24,6 +24,7 @@ from specla_hf.autoregressive import autoregressive_decode
 from specla_hf.defaults import load_models
 from specla_hf.gdn import GDNRunner
 from specla_hf.inflate import inflate_pair
+from specla_kernels import gemv
 
 METHODS = {   # name -> generate() keywords (None: our CUDA-graph AR; "hf": stock generate)
     "hf_generate": "hf",
@@ -259,7 +260,9 @@ def main():
     prompts = load_prompts(args.eval_dir, args.per_set)
     meta = {"target": models.target_name, "drafter": models.drafter_name, "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens,
-            "specla": specla_hf.__version__}
+            "specla": specla_hf.__version__,
+            # the one-token step's GEMV launches come from this table where it covers them (benchmarks/tune_step.py)
+            "gemv_step_configs": [(k[0], *k[1:]) for k in gemv.STEP_CONFIGS]}
     if args.device == "cuda":
         check_kernels(meta)
     print(meta, flush=True)

@@ -204,9 +204,11 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
 
 def _setting(**values):
     """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
-    ``gemv.ROW_CONFIG``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEPS`` and torch's preferred BLAS library (keys
-    ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``small_max``, ``sweeps``, ``blas``) to
-    the values given and the others to their defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
+    ``gemv.ROW_CONFIG``, ``gemv.STEP_CONFIGS``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEPS`` and torch's preferred
+    BLAS library (keys ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``step_configs``
+    (whether the table ``benchmarks/tune_step.py`` wrote is used; by default it is unless a GEMV launch key is given,
+    which it would override), ``small_max``, ``sweeps``, ``blas``) to the values given and the others to their
+    defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
     0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL
     against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back
     copies of gate_up and lm_head suggested: 1.175 vs 1.136 ms; in session 20 a second recurrence kernel of ours,
@@ -218,6 +220,8 @@ def _setting(**values):
         gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
         gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
         gemv.ROW_CONFIG = values.get("row_config")
+        launch_keys = {"split_rows", "split_cols", "row_config"} & values.keys()
+        gemv.STEP_CONFIGS = _STEP_CONFIGS if values.get("step_configs", not launch_keys) else {}
         tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
         tree_delta.SWEEPS = values.get("sweeps", _SWEEPS)
         torch.backends.cuda.preferred_blas_library(values.get("blas", _BLAS))
@@ -225,12 +229,15 @@ def _setting(**values):
 
 
 _GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
+_STEP_CONFIGS = gemv.STEP_CONFIGS
 _SMALL_MAX = tree_delta.SMALL_MAX
 _SWEEPS = tree_delta.SWEEPS
 _PDL_SMALL = pdl.SMALL_KERNELS
 _BLAS = torch.backends.cuda.preferred_blas_library()    # the library verify and drafter passes' GEMMs use
 DEFAULTS = _setting()
 AB = {  # name -> its settings; a setting repeated last shows what the build order alone does
+    "step_configs": {"autotuner": _setting(step_configs=False), "step-tuned table": _setting(),
+                     "autotuner again": _setting(step_configs=False)},
     "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False), "on again": _setting(pdl=True)},
     "split": {"default": _setting(), "session 8 (<= 4096 rows, 512 columns)": _setting(split_rows=4096,
               split_cols=512), "none": _setting(split_rows=0), "default again": _setting()},

@@ -8,10 +8,12 @@ leaks into other test modules. With a GPU the same tests run compiled at the fla
 allocate starts poisoned with NaN, so an element a kernel forgets to write fails the test.
 """
 import functools
+import json
 import os
 import subprocess
 import sys
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -521,6 +523,7 @@ def test_gemv_matches_reference(device, dtype):
     """Each fused GEMV of the decode step against ``gemv_ref``: input projection (norm before, short conv and window
     shift after), output projection (gated head norm before), gate|up (residual add and norm before, the sum
     written out), down projection (SwiGLU before, residual after), LM head (norm before, odd row count)."""
+    from specla_kernels import gemv as gemv_mod
     from specla_kernels.gemv import gemv
     s = GEMV_SHAPES[device]
     gen = seeded(dtype, 'gemv')
@@ -551,12 +554,19 @@ def test_gemv_matches_reference(device, dtype):
             kw["add_out"] = torch.full_like(h, float("nan"))
         return fn(w, x, **kw, **extra), kw
 
-    # the default launch, and the row-owner kernel with three stages (each program loops over several blocks)
+    # the default launch, the row-owner kernel with three stages (each program loops over several blocks), and on
+    # CUDA a launch taken from gemv.STEP_CONFIGS (the last candidate: split-K, many rows a program)
     variants = {"default": {}, "3 stages": dict(split=0, config=dict(BN=2, PER_SM=2, STAGES=3, num_warps=4))}
+    if device == "cuda":
+        variants["step table"] = {}
     for name, (w, x, fused) in cases.items():
         want, kw_ref = run(ref.gemv_ref, w, x, fused)
         for variant, extra in variants.items():
-            y, kw = run(gemv, w, x, fused, **extra)
+            table = {}
+            if variant == "step table":
+                table = {gemv_mod.product_key(w, x, **fused): gemv_mod.launch_candidates(w, x, **fused)[-1]}
+            with mock.patch.object(gemv_mod, "STEP_CONFIGS", table):
+                y, kw = run(gemv, w, x, fused, **extra)
             what = f"{name} ({variant})"
             assert y.dtype == dtype and y.shape == want.shape, what
             check(y, want, tol, what)
@@ -568,6 +578,36 @@ def test_gemv_matches_reference(device, dtype):
                 assert torch.equal(kw["add_out"], kw_ref["add_out"]), f"{what}: residual sum"
             elif "add" in kw:
                 check(kw["add_out"], kw_ref["add_out"], tol, f"{what}: residual sum")
+    if device == "cuda":      # the table is read: an entry it holds decides the launch (here, a refused one)
+        w, x, fused = cases["lm_head"]
+        with mock.patch.object(gemv_mod, "STEP_CONFIGS", {gemv_mod.product_key(w, x, **fused): {"split": 3}}):
+            with pytest.raises(ValueError, match="split must be a power of two"):
+                gemv(w, x, **fused)
+
+
+def test_shipped_step_configs_are_tested_launches():
+    """Every launch of the shipped ``gemv_step_configs.json`` (benchmarks/tune_step.py) is one of its product's
+    ``launch_candidates``: launch shapes the GEMV tests run and the autotuner would consider, never a hand edit."""
+    from specla_kernels import gemv
+    if not gemv.STEP_CONFIGS_FILE.exists():
+        pytest.skip("no step-tuned table shipped")
+    products = json.loads(gemv.STEP_CONFIGS_FILE.read_text())["products"]
+    assert products and set(gemv.load_step_configs()) == {
+        (e["device"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]) for e in products}
+    meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
+    for e in products:
+        N, K, pro, epi = e["N"], e["K"], e["PRO"], e["EPI"]
+        fused = {}
+        if pro == gemv.GATED_NORM.value:
+            fused.update(norm=(meta(e["KC"]), 1e-5), gate=meta(K))
+        elif pro in (gemv.NORM.value, gemv.NORM_ADD.value):
+            fused.update(norm=(meta(K), 1e-6), add=meta(K) if pro == gemv.NORM_ADD.value else None)
+        fused.update(swiglu=pro == gemv.SWIGLU.value)
+        if epi == gemv.RESIDUAL.value:
+            fused["residual"] = meta(N)
+        elif epi == gemv.CONV.value:
+            fused["conv"] = (meta(N, 4), meta(N, 4), None)
+        assert e["launch"] in gemv.launch_candidates(meta(N, K), meta(K), **fused), e["name"]
 
 
 

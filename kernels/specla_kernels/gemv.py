@@ -26,6 +26,10 @@ the stock layer computes up to the GEMV's summation order. Two kernels, the same
 """
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -267,6 +271,71 @@ SPLIT_MAX_ROWS = 10240   # products with more rows fill the GPU by rows alone (0
 ROW_CONFIG: dict | None = None   # a fixed launch shape for the large row-owner products instead of tuning (A/Bs)
 _split_buffers: dict = {}
 
+STEP_CONFIGS_FILE = Path(__file__).with_name("gemv_step_configs.json")
+
+
+def load_step_configs(path: Path = STEP_CONFIGS_FILE) -> dict[tuple, dict]:
+    """``{product_key: launch}`` from a file ``benchmarks/tune_step.py`` wrote (none: ``{}``); ``launch`` is
+    ``split`` (columns per program, 0 for the row-owner kernel) and the kernel's launch shape."""
+    if not path.exists():
+        return {}
+    return {(e["device"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]): e["launch"]
+            for e in json.loads(path.read_text())["products"]}
+
+
+# Launch shapes chosen by timing whole one-token steps (benchmarks/tune_step.py), read at launch / capture before
+# SPLIT_* and the autotuner (an explicit ``split``/``config`` or ``ROW_CONFIG`` still wins); products not in it are
+# tuned as before. The autotuner times each product alone after an L2 flush: its picks differ from run to run and
+# can lose badly among the step's other kernels (session 14, 21 copies back to back: in_proj's pick 21.3 us, the
+# best of the same candidates 13.3; lm_head 22.1 against 19.5).
+STEP_CONFIGS: dict[tuple, dict] = load_step_configs()
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def product_key(weight: torch.Tensor, x: torch.Tensor, **fused) -> tuple:
+    """The ``STEP_CONFIGS`` key of ``gemv(weight, x, **fused)``: GPU name, rows, columns, prologue, epilogue, and the
+    input tile's width (a gated norm's head size)."""
+    pro, epi = _kinds(**fused)
+    return (_device_name(x.device), *weight.shape, pro, epi, _tiles(weight.shape[1], fused.get("gate"),
+                                                                    fused.get("norm"))[1])
+
+
+def _kinds(norm=None, add=None, add_out=None, gate=None, swiglu=False, residual=None, conv=None) -> tuple[int, int]:
+    pro = (SWIGLU if swiglu else GATED_NORM if gate is not None else NORM_ADD if add is not None else
+           NORM if norm is not None else PLAIN).value
+    return pro, (CONV if conv is not None else RESIDUAL if residual is not None else NO_EPILOGUE).value
+
+
+def _tiles(K: int, gate: torch.Tensor | None, norm) -> tuple[int, int]:
+    """The input's register tile ``[KR, KC]`` (a gated norm's heads are its rows)."""
+    if gate is not None:
+        KC = norm[0].numel()
+        if KC & (KC - 1) or K % KC:
+            raise ValueError(f"the gated-norm prologue needs a power-of-two head size dividing {K}, got {KC}")
+        return triton.next_power_of_2(K // KC), KC
+    KC = min(512, triton.next_power_of_2(K))
+    return triton.cdiv(triton.next_power_of_2(K), KC), KC
+
+
+def launch_candidates(weight: torch.Tensor, x: torch.Tensor, **fused) -> list[dict]:
+    """Every launch ``STEP_CONFIGS`` may hold for this product, for ``benchmarks/tune_step.py``: the row-owner
+    kernel's tuned shapes and the split-K kernel's at 512 and 1024 columns per program (each pruned as the autotuner
+    prunes it; 2048 columns lost to both on every product of the 1.3B step in session 14's chains)."""
+    N, K = weight.shape
+    KR, KC = _tiles(K, fused.get("gate"), fused.get("norm"))
+    out = [{"split": 0, **c.kwargs, "num_warps": c.num_warps} for c in _prune(_configs(), None, KR=KR, KC=KC)]
+    for split in (512, 1024):
+        if split > K or (fused.get("gate") is not None and split % KC):
+            continue
+        kc = min(KC, split)
+        out += [{"split": split, **c.kwargs, "num_warps": c.num_warps}
+                for c in _split_prune(_split_configs(), None, KR=split // kc, KC=kc)]
+    return out
+
 
 def _split_workspace(device: torch.device, N: int, S: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The partial sums ``[S, N]`` and per-row-block counters (zero between launches) of a split-K product, one pair
@@ -294,18 +363,13 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
     N, K = weight.shape
     if K > MAX_K:
         raise ValueError(f"gemv keeps the whole input in registers: at most {MAX_K} columns, got {K}")
-    if gate is not None:
-        KC = norm[0].numel()
-        if KC & (KC - 1) or K % KC:
-            raise ValueError(f"the gated-norm prologue needs a power-of-two head size dividing {K}, got {KC}")
-        KR = triton.next_power_of_2(K // KC)
-    else:
-        KC = min(512, triton.next_power_of_2(K))
-        KR = triton.cdiv(triton.next_power_of_2(K), KC)
-    pro = (SWIGLU if swiglu else GATED_NORM if gate is not None else NORM_ADD if add is not None else
-           NORM if norm is not None else PLAIN).value
-    epi = (CONV if conv is not None else RESIDUAL if residual is not None else NO_EPILOGUE).value
+    KR, KC = _tiles(K, gate, norm)
+    pro, epi = _kinds(norm, add, add_out, gate, swiglu, residual, conv)
     big = x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES
+    if big and split is None and config is None and ROW_CONFIG is None:
+        tuned = STEP_CONFIGS.get((_device_name(x.device), N, K, pro, epi, KC))
+        if tuned is not None:
+            split, config = tuned["split"], {k: v for k, v in tuned.items() if k != "split"}
     if split is None:
         cols = max(SPLIT_COLS, KC if pro == GATED_NORM.value else 0)     # whole heads of a gated norm
         split = cols if big and N <= SPLIT_MAX_ROWS and K >= cols else 0
