@@ -6,7 +6,7 @@ took 21.3 us in a chain of its own copies, the best of the same candidates 13.3)
 one-token step (at the 1.3B shape: in_proj, o_proj, gate_up, down, lm_head) is tried in every launch
 ``gemv.launch_candidates`` lists (row-owner shapes, split-K at 512 and 1024 columns) inside a CUDA graph of the
 whole step, the other products at their current choice (coordinate descent: a first round over every candidate,
-then the best few of each product again); a candidate's time is the median over its rounds of the median of several
+then the best few of each product again, ``--rounds`` in all); a candidate's time is the median over its rounds of the median of several
 groups of back-to-back replays. Last, the chosen table and the autotuner are timed alternately. Writes ``--out``
 (the table, every candidate's times, the before/after step times); ``--install`` also writes the table to
 ``gemv.STEP_CONFIGS_FILE``, which later processes load (commit it to ship it).
@@ -81,7 +81,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--install", action="store_true", help=f"also write the table to {gemv.STEP_CONFIGS_FILE}")
-    ap.add_argument("--keep", type=int, default=3, help="candidates per product timed again in the second round")
+    ap.add_argument("--rounds", type=int, default=3, help="the first over every candidate, the others over the best")
+    ap.add_argument("--keep", type=int, default=3, help="candidates per product timed again after the first round")
     ap.add_argument("--compare", type=int, default=4, help="alternating rounds of table vs autotuner at the end")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -100,7 +101,7 @@ def main():
     log(f"step with the autotuner's picks: {autotuned:.4f} ms")
     times: dict[tuple, dict[str, list[float]]] = {k: {} for k in products}
     chosen: dict[tuple, dict] = {}
-    for rnd in range(2):
+    for rnd in range(args.rounds):
         for key, cands in products.items():
             if rnd:
                 cands = sorted(cands, key=lambda c: statistics.median(times[key][describe(c)]))[:args.keep]

@@ -555,17 +555,20 @@ def test_gemv_matches_reference(device, dtype):
         return fn(w, x, **kw, **extra), kw
 
     # the default launch, the row-owner kernel with three stages (each program loops over several blocks), and on
-    # CUDA a launch taken from gemv.STEP_CONFIGS (the last candidate: split-K, many rows a program)
+    # CUDA launches through gemv.STEP_CONFIGS: the last candidate (split-K, the most rows a program) and the shipped
+    # table's launch for a product of these columns, prologue and epilogue (its rows may differ: lm_head's are odd)
     variants = {"default": {}, "3 stages": dict(split=0, config=dict(BN=2, PER_SM=2, STAGES=3, num_warps=4))}
-    if device == "cuda":
-        variants["step table"] = {}
+    shipped = {k[2:]: launch for k, launch in gemv_mod.load_step_configs().items()}
     for name, (w, x, fused) in cases.items():
         want, kw_ref = run(ref.gemv_ref, w, x, fused)
-        for variant, extra in variants.items():
-            table = {}
-            if variant == "step table":
-                table = {gemv_mod.product_key(w, x, **fused): gemv_mod.launch_candidates(w, x, **fused)[-1]}
-            with mock.patch.object(gemv_mod, "STEP_CONFIGS", table):
+        tables = {}
+        if device == "cuda":
+            key = gemv_mod.product_key(w, x, **fused)
+            tables["last candidate"] = gemv_mod.launch_candidates(w, x, **fused)[-1]
+            if key[2:] in shipped:
+                tables["shipped table"] = shipped[key[2:]]
+        for variant, extra in [*variants.items(), *((t, {}) for t in tables)]:
+            with mock.patch.object(gemv_mod, "STEP_CONFIGS", {key: tables[variant]} if variant in tables else {}):
                 y, kw = run(gemv, w, x, fused, **extra)
             what = f"{name} ({variant})"
             assert y.dtype == dtype and y.shape == want.shape, what

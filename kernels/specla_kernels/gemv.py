@@ -204,10 +204,13 @@ def _configs():
                                        (4, 4, 8, 2), (4, 2, 8, 3), (2, 4, 4, 3), (2, 2, 8, 3)]]
 
 
-def _prune(configs, named_args, **kwargs):
+def _row_fits(c: triton.Config, elems: int) -> bool:
     """Two weight tiles live per program (this block's, the next one's): at most 32 elements each per thread."""
-    elems = kwargs["KR"] * kwargs["KC"]
-    ok = [c for c in configs if c.kwargs["BN"] * elems <= 32 * 32 * c.num_warps]
+    return c.kwargs["BN"] * elems <= 32 * 32 * c.num_warps
+
+
+def _prune(configs, named_args, **kwargs):
+    ok = [c for c in configs if _row_fits(c, kwargs["KR"] * kwargs["KC"])]
     return ok or [min(configs, key=lambda c: c.kwargs["BN"] / c.num_warps)]
 
 
@@ -244,10 +247,13 @@ def _split_configs():
             for bn, nw in [(2, 4), (4, 4), (8, 4), (16, 4), (4, 8), (8, 8), (16, 8), (32, 8)]]
 
 
-def _split_prune(configs, named_args, **kwargs):
+def _split_fits(c: triton.Config, elems: int) -> bool:
     """At most 64 weight elements per thread (one tile per program)."""
-    elems = kwargs["KR"] * kwargs["KC"]
-    ok = [c for c in configs if c.kwargs["BN"] * elems <= 64 * 32 * c.num_warps]
+    return c.kwargs["BN"] * elems <= 64 * 32 * c.num_warps
+
+
+def _split_prune(configs, named_args, **kwargs):
+    ok = [c for c in configs if _split_fits(c, kwargs["KR"] * kwargs["KC"])]
     return ok or [min(configs, key=lambda c: c.kwargs["BN"] / c.num_warps)]
 
 
@@ -321,19 +327,28 @@ def _tiles(K: int, gate: torch.Tensor | None, norm) -> tuple[int, int]:
     return triton.cdiv(triton.next_power_of_2(K), KC), KC
 
 
+# The launches benchmarks/tune_step.py tries: wider than the autotuner's lists (a user's first run compiles every
+# configuration those hold; the tuner's table is measured once per GPU). (rows, warps) x programs per SM x stages
+# for the row-owner kernel, (rows, warps) x columns per program for split-K; 2048 columns lost on every product of
+# the 1.3B step in session 14's chains.
+STEP_ROW_SHAPES = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (8, 16)]
+STEP_SPLIT_SHAPES = [(2, 4), (4, 4), (8, 4), (4, 8), (8, 8), (16, 8), (32, 8), (16, 16), (32, 16), (64, 16)]
+
+
 def launch_candidates(weight: torch.Tensor, x: torch.Tensor, **fused) -> list[dict]:
     """Every launch ``STEP_CONFIGS`` may hold for this product, for ``benchmarks/tune_step.py``: the row-owner
-    kernel's tuned shapes and the split-K kernel's at 512 and 1024 columns per program (each pruned as the autotuner
-    prunes it; 2048 columns lost to both on every product of the 1.3B step in session 14's chains)."""
+    kernel at ``STEP_ROW_SHAPES`` with 1-4 programs per SM and 2 or 3 stages, split-K at ``STEP_SPLIT_SHAPES`` with
+    256, 512 and 1024 columns per program, those that fit the register budgets the autotuner prunes by."""
     N, K = weight.shape
     KR, KC = _tiles(K, fused.get("gate"), fused.get("norm"))
-    out = [{"split": 0, **c.kwargs, "num_warps": c.num_warps} for c in _prune(_configs(), None, KR=KR, KC=KC)]
-    for split in (512, 1024):
+    rows = [triton.Config({"BN": bn, "PER_SM": per_sm, "STAGES": st}, num_warps=nw)
+            for bn, nw in STEP_ROW_SHAPES for per_sm in (1, 2, 3, 4) for st in (2, 3)]
+    out = [{"split": 0, **c.kwargs, "num_warps": c.num_warps} for c in rows if _row_fits(c, KR * KC)]
+    splits = [triton.Config({"BN": bn}, num_warps=nw) for bn, nw in STEP_SPLIT_SHAPES]
+    for split in (256, 512, 1024):
         if split > K or (fused.get("gate") is not None and split % KC):
             continue
-        kc = min(KC, split)
-        out += [{"split": split, **c.kwargs, "num_warps": c.num_warps}
-                for c in _split_prune(_split_configs(), None, KR=split // kc, KC=kc)]
+        out += [{"split": split, **c.kwargs, "num_warps": c.num_warps} for c in splits if _split_fits(c, split)]
     return out
 
 
