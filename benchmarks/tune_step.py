@@ -96,7 +96,7 @@ def main():
     gemv.STEP_CONFIGS = {}                               # start from the autotuner's picks
     products = step_products(runner, cache, token)
     log = lambda *m: print(f"[{time.perf_counter() - t0:6.1f}s]", *m, flush=True)  # noqa: E731
-    log("products:", {NAMES.get(k[3:5], k): len(c) for k, c in products.items()})
+    log("products:", {NAMES.get(k[4:6], k): len(c) for k, c in products.items()})
     autotuned = step_ms(runner, cache, token)
     log(f"step with the autotuner's picks: {autotuned:.4f} ms")
     times: dict[tuple, dict[str, list[float]]] = {k: {} for k in products}
@@ -110,7 +110,7 @@ def main():
                 times[key].setdefault(describe(cand), []).append(step_ms(runner, cache, token))
             chosen[key] = min(cands, key=lambda c: statistics.median(times[key][describe(c)]))
             best = statistics.median(times[key][describe(chosen[key])])
-            log(f"round {rnd + 1} {NAMES.get(key[3:5], key)}: {describe(chosen[key])} -> step {best:.4f} ms")
+            log(f"round {rnd + 1} {NAMES.get(key[4:6], key)}: {describe(chosen[key])} -> step {best:.4f} ms")
     compare = {"autotuner": [], "tuned": []}
     for r in range(args.compare):
         for name in (["autotuner", "tuned"] if r % 2 == 0 else ["tuned", "autotuner"]):
@@ -121,8 +121,8 @@ def main():
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "model": "the embedded target inflated to the 1.3B shape, bf16",
         "step_ms_first_autotuned": autotuned, "step_ms": compare,
-        "products": [{"name": NAMES.get(k[3:5], "?"), "device": k[0], "N": k[1], "K": k[2], "PRO": k[3], "EPI": k[4],
-                      "KC": k[5], "launch": chosen[k], "step_ms_by_candidate": times[k]} for k in products],
+        "products": [{"name": NAMES.get(k[4:6], "?"), "device": k[0], "dtype": k[1], "N": k[2], "K": k[3], "PRO": k[4],
+                      "EPI": k[5], "KC": k[6], "launch": chosen[k], "step_ms_by_candidate": times[k]} for k in products],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -130,7 +130,7 @@ def main():
         gemv.STEP_CONFIGS_FILE.write_text(json.dumps(result, indent=1))
     print("| product | launch | step ms |")
     for k in products:
-        print(f"| {NAMES.get(k[3:5], '?')} | {describe(chosen[k])} | "
+        print(f"| {NAMES.get(k[4:6], '?')} | {describe(chosen[k])} | "
               f"{statistics.median(times[k][describe(chosen[k])]):.4f} |")
     print(f"| whole step | autotuner {statistics.median(compare['autotuner']):.4f} ms | "
           f"tuned {statistics.median(compare['tuned']):.4f} ms |")

@@ -558,15 +558,15 @@ def test_gemv_matches_reference(device, dtype):
     # CUDA launches through gemv.STEP_CONFIGS: the last candidate (split-K, the most rows a program) and the shipped
     # table's launch for a product of these columns, prologue and epilogue (its rows may differ: lm_head's are odd)
     variants = {"default": {}, "3 stages": dict(split=0, config=dict(BN=2, PER_SM=2, STAGES=3, num_warps=4))}
-    shipped = {k[2:]: launch for k, launch in gemv_mod.load_step_configs().items()}
+    shipped = {k[3:]: launch for k, launch in gemv_mod.load_step_configs().items()}
     for name, (w, x, fused) in cases.items():
         want, kw_ref = run(ref.gemv_ref, w, x, fused)
         tables = {}
         if device == "cuda":
             key = gemv_mod.product_key(w, x, **fused)
             tables["last candidate"] = gemv_mod.launch_candidates(w, x, **fused)[-1]
-            if key[2:] in shipped:
-                tables["shipped table"] = shipped[key[2:]]
+            if key[3:] in shipped:
+                tables["shipped table"] = shipped[key[3:]]
         for variant, extra in [*variants.items(), *((t, {}) for t in tables)]:
             with mock.patch.object(gemv_mod, "STEP_CONFIGS", {key: tables[variant]} if variant in tables else {}):
                 y, kw = run(gemv, w, x, fused, **extra)
@@ -596,7 +596,7 @@ def test_shipped_step_configs_are_tested_launches():
         pytest.skip("no step-tuned table shipped")
     products = json.loads(gemv.STEP_CONFIGS_FILE.read_text())["products"]
     assert products and set(gemv.load_step_configs()) == {
-        (e["device"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]) for e in products}
+        (e["device"], e["dtype"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]) for e in products}
     meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
     for e in products:
         N, K, pro, epi = e["N"], e["K"], e["PRO"], e["EPI"]

@@ -285,7 +285,7 @@ def load_step_configs(path: Path = STEP_CONFIGS_FILE) -> dict[tuple, dict]:
     ``split`` (columns per program, 0 for the row-owner kernel) and the kernel's launch shape."""
     if not path.exists():
         return {}
-    return {(e["device"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]): e["launch"]
+    return {(e["device"], e["dtype"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]): e["launch"]
             for e in json.loads(path.read_text())["products"]}
 
 
@@ -303,11 +303,11 @@ def _device_name(device: torch.device) -> str:
 
 
 def product_key(weight: torch.Tensor, x: torch.Tensor, **fused) -> tuple:
-    """The ``STEP_CONFIGS`` key of ``gemv(weight, x, **fused)``: GPU name, rows, columns, prologue, epilogue, and the
-    input tile's width (a gated norm's head size)."""
+    """The ``STEP_CONFIGS`` key of ``gemv(weight, x, **fused)``: GPU name, weight dtype, rows, columns, prologue,
+    epilogue, and the input tile's width (a gated norm's head size)."""
     pro, epi = _kinds(**fused)
-    return (_device_name(x.device), *weight.shape, pro, epi, _tiles(weight.shape[1], fused.get("gate"),
-                                                                    fused.get("norm"))[1])
+    KC = _tiles(weight.shape[1], fused.get("gate"), fused.get("norm"))[1]
+    return (_device_name(x.device), str(weight.dtype).removeprefix("torch."), *weight.shape, pro, epi, KC)
 
 
 def _kinds(norm=None, add=None, add_out=None, gate=None, swiglu=False, residual=None, conv=None) -> tuple[int, int]:
@@ -382,7 +382,8 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
     pro, epi = _kinds(norm, add, add_out, gate, swiglu, residual, conv)
     big = x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES
     if big and split is None and config is None and ROW_CONFIG is None:
-        tuned = STEP_CONFIGS.get((_device_name(x.device), N, K, pro, epi, KC))
+        tuned = STEP_CONFIGS.get((_device_name(x.device), str(weight.dtype).removeprefix("torch."), N, K, pro, epi,
+                                  KC))
         if tuned is not None:
             split, config = tuned["split"], {k: v for k, v in tuned.items() if k != "split"}
     if split is None:
