@@ -41,11 +41,17 @@ _PACKING = threading.Lock()       # the packer thread and the main loop both pac
 
 
 def pack(work: Path, archive: Path) -> None:
-    """``work`` as a gzipped tar at ``archive``, written beside it first so that a kill mid-write keeps the last one."""
+    """``work`` as a gzipped tar at ``archive``, written beside it first so that a kill mid-write keeps the last one.
+    A running stage may remove or rename a file while it is packed (session 21: a trace gzipped in place): it is
+    skipped, and the next pack has it under its new name."""
     with _PACKING:
         tmp = archive.with_suffix(".tmp")
         with tarfile.open(tmp, "w:gz") as tar:
-            tar.add(work, arcname=work.name)
+            for path in sorted(work.rglob("*")):
+                try:
+                    tar.add(path, arcname=str(Path(work.name) / path.relative_to(work)), recursive=False)
+                except FileNotFoundError:
+                    continue
         os.replace(tmp, archive)
 
 

@@ -46,3 +46,22 @@ def test_triton_cache_is_carried_in_and_packed_out(tmp_path):
     assert "check: exit 0" in (second / "stages" / "stages.txt").read_text()
     assert (second / "cache" / "abc" / "kernel.cubin").read_bytes() == b"\x7fELF compiled"
     assert not (second / "cache" / "abc" / "kernel.ptx").exists()
+
+
+def test_pack_skips_a_file_removed_while_packing(tmp_path, monkeypatch):
+    """A stage may rename a file while the packer walks its folder (session 21: a trace gzipped in place): the file
+    is skipped, the rest packed, and nothing raises."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("device_stages", SCRIPT)
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    work = tmp_path / "stages"
+    (work / "sub").mkdir(parents=True)
+    (work / "sub" / "kept.txt").write_text("kept")
+    gone = work / "trace.json"
+    walk = Path.rglob
+    monkeypatch.setattr(Path, "rglob", lambda self, pattern: [*walk(self, pattern), gone])  # listed, then gone
+    stages.pack(work, tmp_path / "stages.tgz")
+    with tarfile.open(tmp_path / "stages.tgz") as tar:
+        assert tar.extractfile("stages/sub/kept.txt").read() == b"kept"
+        assert "stages/trace.json" not in tar.getnames()
