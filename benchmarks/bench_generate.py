@@ -262,7 +262,7 @@ def main():
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens,
             "specla": specla_hf.__version__,
             # the one-token step's GEMV launches come from this table where it covers them (benchmarks/tune_step.py)
-            "gemv_step_configs": [(k[0], *k[1:]) for k in gemv.STEP_CONFIGS]}
+            "gemv_step_configs": list(gemv.STEP_CONFIGS)}
     if args.device == "cuda":
         check_kernels(meta)
     print(meta, flush=True)

@@ -4,7 +4,7 @@ Triton's autotuner (``gemv._tuned_kernel`` / ``_tuned_split``) times each produc
 its picks differ from run to run and from what is best among the step's other kernels (session 14: in_proj's pick
 took 21.3 us in a chain of its own copies, the best of the same candidates 13.3). Here each large product of the
 one-token step (at the 1.3B shape: in_proj, o_proj, gate_up, down, lm_head) is tried in every launch
-``gemv.launch_candidates`` lists (row-owner shapes, split-K at 512 and 1024 columns) inside a CUDA graph of the
+``gemv.launch_candidates`` lists (row-owner shapes, split-K at 256, 512 and 1024 columns) inside a CUDA graph of the
 whole step, the other products at their current choice (coordinate descent: a first round over every candidate,
 then the best few of each product again, ``--rounds`` in all); a candidate's time is the median over its rounds of the median of several
 groups of back-to-back replays. Last, the chosen table and the autotuner are timed alternately. Writes ``--out``
@@ -124,10 +124,11 @@ def main():
         "products": [{"name": NAMES.get(k[4:6], "?"), "device": k[0], "dtype": k[1], "N": k[2], "K": k[3], "PRO": k[4],
                       "EPI": k[5], "KC": k[6], "launch": chosen[k], "step_ms_by_candidate": times[k]} for k in products],
     }
+    text = json.dumps(result, indent=1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(text)
     if args.install:
-        gemv.STEP_CONFIGS_FILE.write_text(json.dumps(result, indent=1))
+        gemv.STEP_CONFIGS_FILE.write_text(text)
     print("| product | launch | step ms |")
     for k in products:
         print(f"| {NAMES.get(k[4:6], '?')} | {describe(chosen[k])} | "

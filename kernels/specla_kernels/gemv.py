@@ -305,8 +305,10 @@ def _device_name(device: torch.device) -> str:
 def product_key(weight: torch.Tensor, x: torch.Tensor, **fused) -> tuple:
     """The ``STEP_CONFIGS`` key of ``gemv(weight, x, **fused)``: GPU name, weight dtype, rows, columns, prologue,
     epilogue, and the input tile's width (a gated norm's head size)."""
-    pro, epi = _kinds(**fused)
-    KC = _tiles(weight.shape[1], fused.get("gate"), fused.get("norm"))[1]
+    return _key(weight, x, *_kinds(**fused), _tiles(weight.shape[1], fused.get("gate"), fused.get("norm"))[1])
+
+
+def _key(weight: torch.Tensor, x: torch.Tensor, pro: int, epi: int, KC: int) -> tuple:
     return (_device_name(x.device), str(weight.dtype).removeprefix("torch."), *weight.shape, pro, epi, KC)
 
 
@@ -339,7 +341,7 @@ def launch_candidates(weight: torch.Tensor, x: torch.Tensor, **fused) -> list[di
     """Every launch ``STEP_CONFIGS`` may hold for this product, for ``benchmarks/tune_step.py``: the row-owner
     kernel at ``STEP_ROW_SHAPES`` with 1-4 programs per SM and 2 or 3 stages, split-K at ``STEP_SPLIT_SHAPES`` with
     256, 512 and 1024 columns per program, those that fit the register budgets the autotuner prunes by."""
-    N, K = weight.shape
+    K = weight.shape[1]
     KR, KC = _tiles(K, fused.get("gate"), fused.get("norm"))
     rows = [triton.Config({"BN": bn, "PER_SM": per_sm, "STAGES": st}, num_warps=nw)
             for bn, nw in STEP_ROW_SHAPES for per_sm in (1, 2, 3, 4) for st in (2, 3)]
@@ -382,8 +384,7 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
     pro, epi = _kinds(norm, add, add_out, gate, swiglu, residual, conv)
     big = x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES
     if big and split is None and config is None and ROW_CONFIG is None:
-        tuned = STEP_CONFIGS.get((_device_name(x.device), str(weight.dtype).removeprefix("torch."), N, K, pro, epi,
-                                  KC))
+        tuned = STEP_CONFIGS.get(_key(weight, x, pro, epi, KC))
         if tuned is not None:
             split, config = tuned["split"], {k: v for k, v in tuned.items() if k != "split"}
     if split is None:
