@@ -240,9 +240,8 @@ class GDNRunner:
             if logits_positions not in (None, slice(None)):
                 raise ValueError("tree verification returns the logits of every node")
             logits_positions = None
-            pad = tree_bucket(T) - T if self.bucket_trees and tree_bucket(T) <= MAX_TREE_BUCKET else 0
-            if pad:         # inert dummy nodes off the committed state (a full bucket, the default tree, needs none:
-                # padding by zero would still queue copies while the GPU waits for this verify pass)
+            if self.bucket_trees and tree_bucket(T) <= MAX_TREE_BUCKET:
+                pad = tree_bucket(T) - T                       # inert dummy nodes off the committed state
                 input_ids = pad_tokens(input_ids, pad)
                 parents = F.pad(parents, (0, pad), value=-1)
         if self.graphs is not None and self.graphs.supports(input_ids, parents):
