@@ -53,7 +53,7 @@ SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=
 # the other solve at each size (tree_delta.SWEEPS): depth sweeps where the default is the block solve, at its shape
 # and at V slices and warps its fewer [BN, BN] tiles may favour, and the block solve where the default sweeps shallow
 # trees (the shapes above are swept with that default). A tree deeper than the SWEEP_MAX used takes the block solve
-_SWEEPS_EXTRA = {16: [{}, dict(BV=32)], 128: [{}, dict(BV=16)]}
+_SWEEPS_EXTRA = {16: [{}, dict(BV=32)], 32: [{}, dict(BV=16)]}
 for _bn in SWEEP:
     SWEEP[_bn] += [dict(SWEEP_MAX=0)] if _bn in SWEEPS else [dict(SWEEP_MAX=16, **e) for e in _SWEEPS_EXTRA[_bn]]
 # up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
@@ -136,12 +136,12 @@ def comb_tree(n: int, depth: int, gen: torch.Generator) -> torch.Tensor:
 
 def depth_sweep(n: int, depths: list[int], gen: torch.Generator, dev: str) -> list[dict]:
     """The tree verify of ``n`` nodes on trees of each depth (``comb_tree``), 1 and 21 layers, each checked against
-    the reference: the default, the sweeps one tree level and two levels at a time (``tree_delta._sweep_solve``:
-    the slope is the cost of a sweep) and the block solve; at the first depth also q.k in the K loop
+    the reference: the default, the sweeps (``tree_delta._sweep_solve``: the slope is the cost of a sweep) and the
+    block solve; at the first depth also q.k in the K loop
     (``LATE_QK=False``, which Triton 3.6 got wrong at 64 nodes: its error is reported), to split the verify's time."""
     layers = [layer_inputs(n, gen, dev) for _ in range(LAYERS)]
     L0, rows = layers[0], []
-    solves = [{}, dict(SWEEP_MAX=16, SWEEP_SQ=False), dict(SWEEP_MAX=16, SWEEP_SQ=True), dict(SWEEP_MAX=0)]
+    solves = [{}, dict(SWEEP_MAX=16), dict(SWEEP_MAX=0)]
     runs = [(d, over) for d in depths for over in solves] + [(depths[0], dict(LATE_QK=False))]
     for d, over in runs:
         parents = comb_tree(n, d, gen).to(dev)

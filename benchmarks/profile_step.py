@@ -249,7 +249,7 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
                   "default again": _setting()},
     # the verify pass's GEMMs (1.03 of a 64-node pass's 1.87 ms of kernels in session 11) through cuBLASLt's choice
     "blas": {"default": _setting(), "cuBLASLt": _setting(blas="cublaslt"), "default again": _setting()},
-    # the tree verify's solve by depth sweeps where tree_delta.SWEEPS has them (32, 64 nodes), against the block solve
+    # the tree verify's solve by depth sweeps where tree_delta.SWEEPS has them (64, 128 nodes), against the block solve
     "sweep": {"default": _setting(), "block solve only": _setting(sweeps={}), "default again": _setting()},
     # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (session 14:
     # on plain products split-K streamed at 4.1 TB/s, the row-owner kernel at 3.1)

@@ -39,6 +39,9 @@ SHAPES = {"cpu": [(2, 1, 2, 20, 24), (1, 2, 2, 24, 40)], "cuda": [(2, 3, 6, 256,
 SIZES = {"cpu": dict(chain=19, star=7, deep=100, bushy=45, single=1, forest=23),
          "cuda": dict(chain=64, star=16, deep=128, bushy=100, single=1, forest=37)}
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# u is fp32 whatever the inputs: from bf16 inputs the WY/UT kernel forms it from exact bf16 products and bf16x3 ones
+# (~16 mantissa bits), so it must be far closer than the inputs' rounding (one bf16 product would give ~2e-3)
+U_TOL = {**TOL, torch.bfloat16: 1e-4}
 # the model dtypes of the tree kernels' inputs (state and factors stay fp32); the GEMV and norm kernels serve the
 # fp32 / bf16 models the decoding loop runs
 MODEL_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
@@ -123,10 +126,9 @@ def gdn_inputs(B, N, H, HV, K, V, dtype, device, gen):
 # ----------------------------------------------------------------------------------------------------------------
 # gated delta rule over a tree
 # ----------------------------------------------------------------------------------------------------------------
-# the WY/UT kernel's solves: the block solve, and sweeps up to depth 16, one tree level or two at a time (deeper
-# trees, the chains and deep trees of SIZES, then take the block solve inside the same kernel)
-SOLVES = pytest.mark.parametrize("solve", [dict(SWEEP_MAX=0), dict(SWEEP_MAX=16, SWEEP_SQ=False),
-                                           dict(SWEEP_MAX=16, SWEEP_SQ=True)], ids=["block", "sweeps", "sweeps2"])
+# the WY/UT kernel's solves: the block solve, and sweeps up to depth 16 (deeper trees, the chains and deep trees of
+# SIZES, then take the block solve inside the same kernel)
+SOLVES = pytest.mark.parametrize("solve", [dict(SWEEP_MAX=0), dict(SWEEP_MAX=16)], ids=["block", "sweeps"])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -146,7 +148,7 @@ def test_tree_delta_matches_reference(device, kind, dtype, solve):
     assert o.dtype == v.dtype and k_hat.dtype == u.dtype == torch.float32
     check(o, o_ref, TOL[dtype], "o")
     check(k_hat, k_hat_ref, TOL[dtype], "k_hat")
-    check(u, u_ref, TOL[dtype], "u")
+    check(u, u_ref, U_TOL[dtype], "u")
     assert torch.equal(state, state_before), "verification must not touch the committed state"
     # the mask given (as the runner gives every layer the cache's) computes the same
     anc = ref.tree_ancestors(parents.cpu()).to(device)
@@ -180,23 +182,24 @@ def test_small_trees_both_kernels_match_reference(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["chain", "deep", "chain17"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @SOLVES
-def test_tree_delta_is_stable_on_repeated_tokens(device, kind, solve):
+def test_tree_delta_is_stable_on_repeated_tokens(device, kind, dtype, solve):
     """The hard case for the solve: one key repeated along long paths, writes at full strength, no decay, so the
     strictly lower L is ~all ones on ancestors (its powers grow like binomial coefficients: a Neumann product of them
-    loses fp32 precision; substitution, block doubling and sweeps must not). ``chain17``: a chain of depth 16, the
-    deepest that sweeps take, where their intermediate values grow the most."""
+    loses fp32 precision; substitution, block doubling and sweeps must not, in tf32x3 or in bf16x3). ``chain17``: a
+    chain of depth 16, the deepest that sweeps take, where their intermediate values grow the most."""
     gen = seeded(kind, 'repeated')
-    B, H, HV, K, V = SHAPES[device][0]
+    B, H, HV, K, V = SHAPES[device][dtype != torch.float32]
     N = 17 if kind == "chain17" else SIZES[device][kind]
-    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, torch.float32, device, gen)
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, dtype, device, gen)
     k = k[:, :1].expand_as(k).contiguous()
     g, beta = torch.full_like(g, -1e-4), torch.full_like(beta, 0.999)
     parents = random_parents(kind.removesuffix("17"), B, N, gen).to(device)
     want = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
     got = tree_gated_delta_rule(q, k, v, g, beta, parents, state, config=solve)
     for x, w, name in zip(got, want, ("o", "k_hat", "u")):
-        check(x, w, 1e-3, name)
+        check(x, w, 1e-3 if name != "o" or dtype == torch.float32 else TOL[dtype], name)
 
 
 @pytest.mark.parametrize("device", DEVICES)

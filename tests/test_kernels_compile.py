@@ -83,10 +83,10 @@ def call_every_wrapper():
     z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype)                  # noqa: E731
     parents = torch.arange(-1, N - 1).view(1, N)
     state = z(1, H, V, K, dtype=f32)
-    # each size's default (tree_delta.SWEEPS: sweeps with the block solve as fallback, two levels a sweep at 32 nodes
-    # in bf16 and one at 64; the block solve elsewhere), and the other solves at 32 and 64 nodes
+    # each size's default (tree_delta.SWEEPS: sweeps with the block solve as fallback at 64 and 128 nodes, the block
+    # solve elsewhere), and the other solves at 32 and 64 nodes
     for n, dtype, over in ((16, bf, {}), (32, bf, {}), (64, bf, {}), (128, bf, {}), (32, f32, {}),
-                           (32, f32, dict(SWEEP_MAX=16)), (64, bf, dict(SWEEP_SQ=True))):
+                           (32, bf, dict(SWEEP_MAX=16)), (64, bf, dict(SWEEP_MAX=0))):
         tree_delta.tree_gated_delta_rule(z(1, n, H, K, dtype=dtype), z(1, n, H, K, dtype=dtype),
                                          z(1, n, H, V, dtype=dtype), z(1, n, H, dtype=f32), z(1, n, H, dtype=f32),
                                          parents[:, :n], state, config=over)

@@ -18,18 +18,19 @@ How the pieces are computed, and why:
   7 each program of each layer rebuilt it).
 - k and q are l2-normalised *after* the products (``k̂_i·k̂_j = (k_i·k_j) r_i r_j``), so the K loop multiplies the raw
   inputs: for bf16 inputs these products are exact in bf16 dots with fp32 accumulation. The fp32 state is split into
-  two bf16 halves (hi + lo, ~16 mantissa bits) for ``S₀k`` and ``S₀q``; fp32/fp16 inputs use tf32x3 dots instead.
+  two bf16 halves (hi + lo, ~16 mantissa bits) for ``S₀k`` and ``S₀q``, and the solve's fp32 products are three bf16
+  products of such halves (bf16x3, ``_dot3``); fp32/fp16 inputs use tf32x3 dots instead.
 - The solve: ``I + L = (I + L_D)(I + X L_O)`` with ``L_D`` its BC x BC diagonal blocks and ``X = (I + L_D)^{-1}``.
   ``X`` is built for all blocks at once on a ``[NC, BC, BC]`` view by block doubling: the inverse over diagonal
   blocks of size 2^l becomes the inverse over blocks of size 2^(l+1) as ``X - X E X`` (``E`` the part of ``L_D``
-  joining the two halves; ``E X E = 0``, so this is exact), ``log2 BC`` levels of two batched tf32x3 dots (session
+  joining the two halves; ``E X E = 0``, so this is exact), ``log2 BC`` levels of two batched dots (session
   7; before, BC - 1 steps of forward substitution, each two cross-warp reductions: 481 -> 416 µs for 21 layers at
   64 nodes). Unlike a Neumann product, no power of ``L`` is formed (their entries grow like binomial coefficients on
   repeated tokens and lose fp32 precision; ``tests/test_kernels.py`` has that case); then
   ``U = XR - (X L_O) U`` is resolved block row by block row (``NC - 1`` dots), like fla's 16x16 merge in
   ``solve_tril`` but without leaving registers. Padded nodes (N < BN) have zero k and v and no descendants, so they
   stay zero and are masked on store.
-- Or, for shallow trees at the sizes ``tree_config`` names (session 12: 64 nodes), by depth sweeps: ``L`` is
+- Or, for trees of depth <= 16 at the sizes ``SWEEPS`` names (64 and 128 nodes), by depth sweeps: ``L`` is
   nilpotent of the tree's depth, so that many sweeps of ``U <- R - L U`` solve it exactly (``_sweep_solve``); deeper
   trees take the block solve in the same kernel.
 """
@@ -78,10 +79,49 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
+# Whether Triton runs these kernels in its interpreter (TRITON_INTERPRET=1 when Triton was imported)
+INTERPRETED = isinstance(ancestor_mask, InterpretedFunction)
+# read inside kernels (a plain global cannot be): the interpreter multiplies bf16 tl.dot operands as their raw uint16
+# bits, so _mma widens them there (the same products: a bf16 x bf16 product is exact in fp32)
+_WIDEN_BF16_DOTS = tl.constexpr(INTERPRETED)
+
+
 @triton.jit
-def _block_solve(b_l, b_r, rows, N, n_lvl, BN: tl.constexpr, BC: tl.constexpr):
+def _mma(a, b, acc):
+    """``acc + a @ b`` for bf16 ``a`` and ``b``: tensor-core products, exact in the fp32 accumulator."""
+    if _WIDEN_BF16_DOTS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _split_bf16(x):
+    """fp32 ``x`` as two bf16 halves ``hi + lo`` (~16 mantissa bits together)."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot3(a_hi, a_lo, b, acc):
+    """``acc + a @ b`` for fp32 ``b`` and ``a`` given as its ``_split_bf16`` halves: three bf16 products
+    (``a_hi b_hi + a_hi b_lo + a_lo b_hi``; relative error ~2^-16)."""
+    b_hi, b_lo = _split_bf16(b)
+    return _mma(a_hi, b_hi, _mma(a_hi, b_lo, _mma(a_lo, b_hi, acc)))
+
+
+@triton.jit
+def _dot(a, b, BF16X3: tl.constexpr):
+    """``a @ b`` for fp32 ``a`` and ``b``: three bf16 products (``_dot3``) or three tf32 ones (tf32x3, ~2^-21)."""
+    if BF16X3:
+        a_hi, a_lo = _split_bf16(a)
+        return _dot3(a_hi, a_lo, b, None)
+    return tl.dot(a, b, input_precision="tf32x3")
+
+
+@triton.jit
+def _block_solve(b_l, b_r, rows, N, n_lvl, BN: tl.constexpr, BC: tl.constexpr, BF16X3: tl.constexpr):
     """``U`` with ``(I + L) U = R`` for any unit lower triangular ``I + L`` (module docstring: block doubling for the
-    diagonal blocks' inverses ``X``, then ``U = XR - (X L_O) U`` block row by block row)."""
+    diagonal blocks' inverses ``X``, then ``U = XR - (X L_O) U`` block row by block row); products by ``_dot``."""
     NC: tl.constexpr = BN // BC
     # X = (I + L_D)^{-1} for every BC x BC diagonal block at once, on a [NC, BC, BC] view
     blk = rows // BC
@@ -97,25 +137,25 @@ def _block_solve(b_l, b_r, rows, N, n_lvl, BN: tl.constexpr, BC: tl.constexpr):
     # (rows in the lower, columns in the upper 2^lvl of each 2^(lvl+1) block) gives X - X E X exactly (E X E = 0)
     for lvl in range(n_lvl):
         e3 = tl.where(((i3 >> (lvl + 1)) == (j3 >> (lvl + 1))) & ((i3 >> lvl) != (j3 >> lvl)), l_diag, 0.)
-        x3 = x3 - tl.dot(tl.dot(x3, e3, input_precision="tf32x3"), x3, input_precision="tf32x3")
+        x3 = x3 - _dot(_dot(x3, e3, BF16X3), x3, BF16X3)
 
     if NC == 1:
-        b_u = tl.dot(tl.reshape(x3, [BN, BN]), b_r, input_precision="tf32x3")
+        b_u = _dot(tl.reshape(x3, [BN, BN]), b_r, BF16X3)
     else:
         c_a = tl.arange(0, NC)[:, None, None, None]
         c_b = tl.arange(0, NC)[None, None, :, None]
         b_x = tl.reshape(tl.where(c_a == c_b, x3[:, :, None, :], 0.), [BN, BN])       # block diagonal
         # (I + L_D) U = R - L_O U  =>  U = XR - (X L_O) U, resolved one block row at a time
-        b_xl = tl.dot(b_x, tl.where(same_blk, 0., b_l), input_precision="tf32x3")
-        b_xr = tl.dot(b_x, b_r, input_precision="tf32x3")
+        b_xl = _dot(b_x, tl.where(same_blk, 0., b_l), BF16X3)
+        b_xr = _dot(b_x, b_r, BF16X3)
         b_u = b_xr
         for c in range(1, tl.cdiv(N, BC)):
-            b_u = tl.where((blk == c)[:, None], b_xr - tl.dot(b_xl, b_u, input_precision="tf32x3"), b_u)
+            b_u = tl.where((blk == c)[:, None], b_xr - _dot(b_xl, b_u, BF16X3), b_u)
     return b_u
 
 
 @triton.jit
-def _sweep_solve(b_l, b_r, depth, SQUARED: tl.constexpr):
+def _sweep_solve(b_l, b_r, depth, BF16X3: tl.constexpr):
     """``U`` with ``(I + L) U = R`` by sweeps of ``U <- R - L U`` from ``U = R``, for ``L`` ancestor-masked on a tree
     of depth ``depth``. ``L_ij != 0`` only for ``j`` a strict ancestor of ``i``, so after sweep ``t`` every node of
     depth <= t holds its final ``u``: its ancestors' were final one sweep earlier, and it is then computed from them
@@ -123,18 +163,17 @@ def _sweep_solve(b_l, b_r, depth, SQUARED: tl.constexpr):
     the shallow trees this runs on, which enter a final row only multiplied by an exact zero of ``L``). A sweep is one
     dot over the whole tree: ``depth`` dependent dots in place of the block solve's ``2 log2 BC + NC`` (drafted trees
     are wide and shallow: depth 8 for the default 63-node tree).
-    ``SQUARED`` sweeps two levels at a time: ``(I + L)^{-1} = (I - L^2)^{-1} (I - L)``, so ``U <- R' + L^2 U`` from
-    ``U = R' = R - L R``, with ``L^2`` formed beside ``R'`` (two independent dots); ``L^(depth+1) = 0``, so
-    ``depth // 2`` sweeps are exact: ``1 + depth // 2`` dependent dots instead of ``depth``. Its iterates are the even
-    partial sums of the same series."""
-    if SQUARED:
-        b_l2 = tl.dot(b_l, b_l, input_precision="tf32x3")
-        b_r = b_r - tl.dot(b_l, b_r, input_precision="tf32x3")
-        b_u = b_r
-        for _ in range(depth // 2):
-            b_u = b_r + tl.dot(b_l2, b_u, input_precision="tf32x3")
+    With ``BF16X3`` the matrix is split into bf16 halves once and each sweep accumulates ``-L U`` onto ``R``
+    (``_dot3``): the split of ``U``, its store to shared memory and 3 x BN/16 wgmma instructions, ~140 instructions a
+    warp at 64 nodes against ~370 for tf32x3, which re-converted ``L``'s register layout every sweep (sm_90 SASS,
+    Triton 3.6; H200: 0.71 -> 0.42 us a sweep and layer, session 22). (Session 17's two levels a sweep, ``(I - L^2)^-1
+    (I - L)``, are gone: their iterates lose ~300x more precision on repeated keys, 3e-2 in bf16x3.)"""
+    b_u = b_r
+    if BF16X3:
+        a_hi, a_lo = _split_bf16(-b_l)
+        for _ in range(depth):
+            b_u = _dot3(a_hi, a_lo, b_u, b_r)
     else:
-        b_u = b_r
         for _ in range(depth):
             b_u = b_r - tl.dot(b_l, b_u, input_precision="tf32x3")
     return b_u
@@ -145,6 +184,8 @@ def tree_gdn_fwd_kernel(
     q, k, v, g, beta, ancestors, h0,       # inputs (ancestors: [B, N, N] bool, from tree_ancestors)
     o, k_hat, u,                           # outputs
     scale, N, n_lvl,                       # n_lvl = ceil(log2(min(N, BC))): doubling levels of the diagonal solve
+    n_anc,                                 # N again, specialised (N is not): when it is a multiple of 16 (a decode
+                                           # bucket) the ancestor mask's rows load as 16-byte vectors, not bytes
     stride_qt, stride_kt, stride_vt,       # elements between consecutive tokens of q, k, v (views of a wider tensor)
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -154,11 +195,11 @@ def tree_gdn_fwd_kernel(
     BC: tl.constexpr,                      # diagonal block of the solve
     BK: tl.constexpr,                      # K chunk of the contraction loop
     BV: tl.constexpr,                      # V slice owned by this program
-    BF16_DOT: tl.constexpr,                # inputs are bf16: exact bf16 products, state split hi/lo
+    BF16_DOT: tl.constexpr,                # inputs are bf16: exact bf16 products, state split hi/lo, the solve's
+                                           # products bf16x3 (_dot3); else tf32x3
     OUT_FP32: tl.constexpr,                # o is fp32: its last product also in tf32x3
     LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
     SWEEP_MAX: tl.constexpr,               # trees of depth <= this solve by sweeps (_sweep_solve); 0: never
-    SWEEP_SQ: tl.constexpr,                # the sweeps go two tree levels at a time (_sweep_solve's SQUARED)
     PDL: tl.constexpr,                     # launched with PDL (pdl.SMALL_KERNELS)
 ):
     pdl.allow_dependents(PDL)
@@ -192,20 +233,23 @@ def tree_gdn_fwd_kernel(
         m_v = o_v < V
         p_q = q + tok[:, None] * stride_qt + i_h * K
         # the small operands first, so that their latency hides behind the K loop
-        anc = tl.load(ancestors + (i_b * N + rows[:, None]).to(tl.int64) * N + rows[None, :],
-                      mask=m_n[:, None] & m_n[None, :], other=0) != 0            # built before the pass: pdl.py
+        m_anc = rows < n_anc
+        anc = tl.load(ancestors + (i_b * n_anc + rows[:, None]).to(tl.int64) * n_anc + rows[None, :],
+                      mask=m_anc[:, None] & m_anc[None, :], other=0) != 0      # built before the pass: pdl.py
         pdl.wait_for_inputs(PDL)
         b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
         b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
         b_vv = tl.load(v + tok[:, None] * stride_vt + i_hv * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
                        other=0.).to(tl.float32)
 
-        # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred) and the squared norms
+        # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred) and q's squared norms. k's are
+        # the diagonal of k.k: k never leaves shared memory for registers (summing its squares there was ~20% of the
+        # loop's instructions, session 22). (q.q as a dot beside q.k, in the deferred pass, gave a wrong o on the
+        # H200 with Triton 3.6 where the kernel had the block solve alone, at 64 and 128 nodes)
         b_kk = tl.zeros([BN, BN], dtype=tl.float32)
         b_qk = tl.zeros([BN, BN], dtype=tl.float32)
         b_ks = tl.zeros([BN, BV], dtype=tl.float32)
         b_qs = tl.zeros([BN, BV], dtype=tl.float32)
-        nk = tl.zeros([BN], dtype=tl.float32)
         nq = tl.zeros([BN], dtype=tl.float32)
         p_h0 = h0 + i_bh.to(tl.int64) * V * K
         for k0 in range(0, K, BK):
@@ -215,25 +259,24 @@ def tree_gdn_fwd_kernel(
             b_k = tl.load(p_k + o_k[None, :], mask=m_nk, other=0.)
             b_q = tl.load(p_q + o_k[None, :], mask=m_nk, other=0.)
             b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.)
-            b_kf = b_k.to(tl.float32)
             b_qf = b_q.to(tl.float32)
-            nk += tl.sum(b_kf * b_kf, 1)
             nq += tl.sum(b_qf * b_qf, 1)
             if BF16_DOT:
-                s_hi = b_s.to(tl.bfloat16)
-                s_lo = (b_s - s_hi.to(tl.float32)).to(tl.bfloat16)
-                b_kk += tl.dot(b_k, tl.trans(b_k))
-                b_ks += tl.dot(b_k, tl.trans(s_hi)) + tl.dot(b_k, tl.trans(s_lo))
-                b_qs += tl.dot(b_q, tl.trans(s_hi)) + tl.dot(b_q, tl.trans(s_lo))
+                s_hi, s_lo = _split_bf16(b_s)
+                b_kk = _mma(b_k, tl.trans(b_k), b_kk)
+                b_ks = _mma(b_k, tl.trans(s_hi), _mma(b_k, tl.trans(s_lo), b_ks))
+                b_qs = _mma(b_q, tl.trans(s_hi), _mma(b_q, tl.trans(s_lo), b_qs))
                 if not LATE_QK:
-                    b_qk += tl.dot(b_q, tl.trans(b_k))
+                    b_qk = _mma(b_q, tl.trans(b_k), b_qk)
             else:
+                b_kf = b_k.to(tl.float32)
                 b_kk += tl.dot(b_kf, tl.trans(b_kf), input_precision="tf32x3")
                 b_ks += tl.dot(b_kf, tl.trans(b_s), input_precision="tf32x3")
                 b_qs += tl.dot(b_qf, tl.trans(b_s), input_precision="tf32x3")
                 if not LATE_QK:
                     b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision="tf32x3")
-        rk = 1. / tl.sqrt(nk + 1e-6)
+        eye = rows[:, None] == rows[None, :]
+        rk = 1. / tl.sqrt(tl.sum(tl.where(eye, b_kk, 0.), 1) + 1e-6)
         rq = scale / tl.sqrt(nq + 1e-6)
 
         # ---- topology: path log-decay Γ, pairwise decay e^{Γ_i - Γ_j} on ancestor pairs
@@ -246,17 +289,19 @@ def tree_gdn_fwd_kernel(
 
         # ---- right-hand side and the ancestor-masked system (I + L) U = R
         b_r = b_beta[:, None] * (b_vv - (eg * rk)[:, None] * b_ks)
-        b_l = tl.where(rows[:, None] != rows[None, :], (b_beta * rk)[:, None] * decay * b_kk * rk[None, :], 0.)
+        b_l = tl.where(eye, 0., (b_beta * rk)[:, None] * decay * b_kk * rk[None, :])
 
+        # the block solve's products stay tf32x3 from 64 nodes: in bf16x3 they gave a wrong u there on the H200
+        # (Triton 3.6, session 22; the sweeps' bf16x3 products are right at every size, GPU-tested)
         if SWEEP_MAX > 0:
             # the tree's depth (root 0): L^(depth+1) = 0, so that many sweeps solve it exactly (_sweep_solve)
             depth = tl.max(tl.sum(anc.to(tl.int32), 1), 0) - 1
             if depth <= SWEEP_MAX:
-                b_u = _sweep_solve(b_l, b_r, depth, SWEEP_SQ)
+                b_u = _sweep_solve(b_l, b_r, depth, BF16_DOT)
             else:
-                b_u = _block_solve(b_l, b_r, rows, N, n_lvl, BN, BC)
+                b_u = _block_solve(b_l, b_r, rows, N, n_lvl, BN, BC, BF16_DOT and BN <= 32)
         else:
-            b_u = _block_solve(b_l, b_r, rows, N, n_lvl, BN, BC)
+            b_u = _block_solve(b_l, b_r, rows, N, n_lvl, BN, BC, BF16_DOT and BN <= 32)
 
         # ---- outputs: o = e^Γ S0 q̂ + (ancestor-masked decayed q̂ k̂^T) U
         if LATE_QK:
@@ -266,7 +311,7 @@ def tree_gdn_fwd_kernel(
                 b_k = tl.load(p_k + o_k[None, :], mask=m_nk, other=0.)
                 b_q = tl.load(p_q + o_k[None, :], mask=m_nk, other=0.)
                 if BF16_DOT:
-                    b_qk += tl.dot(b_q, tl.trans(b_k))
+                    b_qk = _mma(b_q, tl.trans(b_k), b_qk)
                 else:
                     b_qk += tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="tf32x3")
             b_p = decay * b_qk
@@ -349,27 +394,19 @@ def tree_gdn_small_kernel(
         tl.store(o + p_i, o_i.to(o.dtype.element_ty), mask=m_i)
 
 
-# Whether Triton runs these kernels in its interpreter (TRITON_INTERPRET=1 when Triton was imported). The interpreter
-# multiplies bf16 tl.dot operands as their raw uint16 bits, so interpreted runs take the fp32 (tf32x3) branch, which
-# computes the same function.
-INTERPRETED = isinstance(tree_gdn_fwd_kernel, InterpretedFunction)
-
-
 # node counts up to which the node-by-node kernel (tree_gdn_small_kernel) runs by default: the H200 sweep of session 11
 # (bench_kernels.py --nodes 1,2,4,8; 21 layers, bf16): 85 / 95 / 153 us at 1 / 2 / 4 nodes against the WY/UT kernel's
 # 166 / 179 / 193 and fla's chain 87 / 113 / 164; at 8 nodes the WY/UT kernel wins (15 vs 27 us a layer)
 SMALL_MAX = 4
 
-# the WY/UT kernel's solve per padded size: trees of depth <= SWEEP_MAX by sweeps (_sweep_solve), two levels a sweep
-# with SWEEP_SQ (bf16 only: tree_config), deeper ones by the block solve (absent: the block solve always). Session 18
-# (H200, 21 layers, comb trees, bench_kernels.py --depths; drafted trees have depth <= 8, DraftOptions.depth): a sweep
-# is a dependent dot, ~15 us at 32 and 64 nodes (half that two levels a sweep, after one more dot), and a kernel built
-# with both solves pays ~20 us over the block-only one when it falls back to the block solve (319 against 297 at 32
-# nodes, 431 against 414 at 64). At 32 nodes two levels a sweep: 244 / 277 / 276 / 290 / 304 us at depth 1 / 4 / 5 / 6
-# / 8 (one level 229 / 276 / 291 / 306 / 335, block 297); at 64 nodes one level: 295 / 340 / 355 / 370 / 399 at depth
-# 1 / 4 / 5 / 6 / 8 (two levels 328 / 364 / 364 / 378 / 393, block 414). Deep trees (long chains) keep the block solve
-# also because the sweeps' intermediate values grow like binomial coefficients of the depth on repeated keys
-SWEEPS = {32: dict(SWEEP_MAX=16, SWEEP_SQ=True), 64: dict(SWEEP_MAX=8, SWEEP_SQ=False)}
+# the WY/UT kernel's solve per padded size: trees of depth <= SWEEP_MAX by sweeps (_sweep_solve), deeper ones by the
+# block solve (absent: the block solve always). H200, 21 layers, bf16, session 22 (bf16x3 sweeps, 0.42 us a sweep and
+# layer at 64 nodes): 64 nodes by sweeps 264 / 290 / 324 / 391 us at depth 1 / 4 / 8 / 16 (comb trees), the block
+# solve (tf32x3 from 64 nodes) 393-401 whatever the depth; 128 nodes, a drafted tree of depth 8: sweeps 826, block
+# 1694; 32 nodes: the block solve (bf16x3 there) 250 / 251 us at depth 8 / 4, sweeps 258 / 233 (kept: drafted trees
+# reach depth 8). Deep trees (long chains) keep the block solve also because the sweeps' intermediate values grow
+# like binomial coefficients of the depth on repeated keys
+SWEEPS = {64: 16, 128: 16}
 
 
 def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
@@ -402,14 +439,8 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         stages = 4 if BN == 16 else 3
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
-    # the solve by the tree's depth (SWEEPS). One level a sweep is GPU-tested in every dtype; two levels were timed
-    # and checked on the GPU in bf16 only, so other dtypes take the block solve where SWEEPS has two levels
-    block = dict(SWEEP_MAX=0, SWEEP_SQ=False)
-    solve = SWEEPS.get(BN, block)
-    if solve["SWEEP_SQ"] and dtype != torch.bfloat16:
-        solve = block
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, **solve)
+                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEPS.get(BN, 0))
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -475,11 +506,11 @@ def tree_gated_delta_rule(
     # one column of programs per V slice, plus one that writes k̂
     grid = (triton.cdiv(V, cfg['BV']) + 1, B * HV)
     tree_gdn_fwd_kernel[grid](
-        *tensors, scale, N, (min(N, cfg['BC']) - 1).bit_length(), *strides,
+        *tensors, scale, N, (min(N, cfg['BC']) - 1).bit_length(), N, *strides,
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
-        BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16 and not INTERPRETED,
+        BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16,
         OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], SWEEP_MAX=cfg['SWEEP_MAX'],
-        SWEEP_SQ=cfg['SWEEP_SQ'], PDL=on,
+        PDL=on,
         num_warps=cfg['num_warps'],
         num_stages=cfg['num_stages'], launch_pdl=on,
     )
