@@ -165,3 +165,15 @@ def test_state_and_weight_streams_are_128_bit(launches):
     assert "ld.global.v4.b32" in hinted and "st.global.v4.b32" in hinted
     assert "st.global.v4.b32" not in unhinted          # the test sees the difference the hint makes
     assert "ld.global.v4.b32" in compile_for_h200(g, b_g, o_g).asm["ptx"]
+
+
+def test_probe_tree_anchors_are_in_the_kernel():
+    """``benchmarks/probe_tree.py`` adds its clock stamps after anchor lines of the tree verify's source: a kernel edit
+    that moves one must show here, not on the next device call."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_tree.py"
+    spec = importlib.util.spec_from_file_location("probe_tree", path)
+    probe_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe_tree)
+    assert hasattr(probe_tree.probed_module(), "_stamp")
