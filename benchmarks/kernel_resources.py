@@ -2,7 +2,11 @@
 launch shapes, without a GPU. Each kernel's launch at the 1.3B shapes is intercepted, compiled ahead of time
 (``tests/test_kernels_compile.py``'s harness) and its PTX assembled by Triton's bundled ``ptxas -v``.
 
-    python benchmarks/kernel_resources.py [--tree-configs]
+    python benchmarks/kernel_resources.py [--tree-configs] [--sass DIR]
+
+``--sass DIR`` also writes each kernel's sm_90 SASS (Triton's bundled ``nvdisasm``) to ``DIR`` and reports its
+instruction count and the body of each loop (label to backward branch): a latency-bound kernel's time follows the
+instructions on its path (session 22 cut the tree verify's sweep from 372 to 123 that way before timing it).
 
 A kernel that spills keeps part of its working set in local memory (L1/L2 round trips on its critical path). Session 7
 found the tree verify at 255 registers with 1.3-5.5 KB of spill stores per thread from 32 nodes up: a lead for the
@@ -60,6 +64,28 @@ def ptxas_resources(ptx: str) -> dict[str, int]:
     return {k: int(m.group(1)) for k, m in found.items()}
 
 
+def sass_report(cubin: bytes, path: Path) -> str:
+    """Write the SASS of ``cubin`` to ``path``; return its instruction count and each loop body's (in code order)."""
+    from triton import knobs
+    nvdisasm = Path(knobs.nvidia.ptxas.path).with_name("nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    path.write_text(sass)
+    count, label_at, loops = 0, {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"^(\.L_x_\d+):", line):
+            label_at[m.group(1)] = count
+        elif re.match(r"\s+/\*[0-9a-f]+\*/", line):
+            count += 1
+            if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and m.group(1) in label_at:
+                loops.append(count - label_at[m.group(1)])
+    return f"{count} instructions, loop bodies {loops}"
+
+
 def tree_launches() -> None:
     """The tree verify at the 1.3B layer (bf16) for each padded size, at tree_config's shape and the others."""
     H, K, V = 6, 256, 512
@@ -75,12 +101,16 @@ def tree_launches() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree-configs", action="store_true", help="only the tree verify, at several launch shapes")
+    ap.add_argument("--sass", type=Path, help="write each kernel's SASS here and report instruction counts")
     args = ap.parse_args()
+    if args.sass:
+        args.sass.mkdir(parents=True, exist_ok=True)
     pdl.enabled = lambda device: True                # launch as on the H200
     with recording_launches() as launches:
         tree_launches() if args.tree_configs else call_every_wrapper()
-    print("| kernel | shape | warps | registers | spill stores B | spill loads B | stack B |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernel | shape | warps | registers | spill stores B | spill loads B | stack B |" + (" SASS |" if args.sass
+                                                                                          else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if args.sass else ""))
     seen = set()
     for fn, bound, options in launches:
         shape = {k: bound[k] for k in ("BN", "BV", "BK", "BC", "KR", "KC", "PRO", "EPI", "SWEEP_MAX")
@@ -89,9 +119,12 @@ def main() -> None:
         if key in seen:
             continue
         seen.add(key)
-        r = ptxas_resources(compile_for_h200(fn, bound, options).asm["ptx"])
+        compiled = compile_for_h200(fn, bound, options)
+        r = ptxas_resources(compiled.asm["ptx"])
+        sass = (f" {sass_report(compiled.asm['cubin'], args.sass / f'{fn.__name__}_{len(seen)}.sass')} |"
+                if args.sass else "")
         print(f"| {fn.__name__} | {shape} | {options.get('num_warps', 4)} | {r['registers']} | {r['spill_stores']} "
-              f"| {r['spill_loads']} | {r['stack']} |")
+              f"| {r['spill_loads']} | {r['stack']} |{sass}")
 
 
 if __name__ == "__main__":

@@ -164,9 +164,9 @@ def _sweep_solve(b_l, b_r, depth, BF16X3: tl.constexpr):
     dot over the whole tree: ``depth`` dependent dots in place of the block solve's ``2 log2 BC + NC`` (drafted trees
     are wide and shallow: depth 8 for the default 63-node tree).
     With ``BF16X3`` the matrix is split into bf16 halves once and each sweep accumulates ``-L U`` onto ``R``
-    (``_dot3``): the split of ``U``, its store to shared memory and 3 x BN/16 wgmma instructions, ~140 instructions a
-    warp at 64 nodes against ~370 for tf32x3, which re-converted ``L``'s register layout every sweep (sm_90 SASS,
-    Triton 3.6; H200: 0.71 -> 0.42 us a sweep and layer, session 22). (Session 17's two levels a sweep, ``(I - L^2)^-1
+    (``_dot3``): the split of ``U``, its store to shared memory and 3 x BN/16 wgmma instructions, 123 instructions a
+    warp at 64 nodes against 372 for tf32x3, which re-converted ``L``'s register layout every sweep (sm_90 SASS,
+    Triton 3.6; H200: 0.71 -> 0.36 us a sweep and layer, session 22). (Session 17's two levels a sweep, ``(I - L^2)^-1
     (I - L)``, are gone: their iterates lose ~300x more precision on repeated keys, 3e-2 in bf16x3.)"""
     b_u = b_r
     if BF16X3:
@@ -243,9 +243,9 @@ def tree_gdn_fwd_kernel(
                        other=0.).to(tl.float32)
 
         # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred) and q's squared norms. k's are
-        # the diagonal of k.k: k never leaves shared memory for registers (summing its squares there was ~20% of the
-        # loop's instructions, session 22). (q.q as a dot beside q.k, in the deferred pass, gave a wrong o on the
-        # H200 with Triton 3.6 where the kernel had the block solve alone, at 64 and 128 nodes)
+        # the diagonal of k.k: k never leaves shared memory for registers (the loop's body: 533 -> 358 sm_90
+        # instructions, session 22). (q.q as a dot beside q.k, in the deferred pass, gave a wrong o on the H200 with
+        # Triton 3.6 where the kernel had the block solve alone, at 64 and 128 nodes)
         b_kk = tl.zeros([BN, BN], dtype=tl.float32)
         b_qk = tl.zeros([BN, BN], dtype=tl.float32)
         b_ks = tl.zeros([BN, BV], dtype=tl.float32)
@@ -400,7 +400,7 @@ def tree_gdn_small_kernel(
 SMALL_MAX = 4
 
 # the WY/UT kernel's solve per padded size: trees of depth <= SWEEP_MAX by sweeps (_sweep_solve), deeper ones by the
-# block solve (absent: the block solve always). H200, 21 layers, bf16, session 22 (bf16x3 sweeps, 0.42 us a sweep and
+# block solve (absent: the block solve always). H200, 21 layers, bf16, session 22 (bf16x3 sweeps, 0.36 us a sweep and
 # layer at 64 nodes): 64 nodes by sweeps 264 / 290 / 324 / 391 us at depth 1 / 4 / 8 / 16 (comb trees), the block
 # solve (tf32x3 from 64 nodes) 393-401 whatever the depth; 128 nodes, a drafted tree of depth 8: sweeps 826, block
 # 1694; 32 nodes: the block solve (bf16x3 there) 250 / 251 us at depth 8 / 4, sweeps 258 / 233 (kept: drafted trees
