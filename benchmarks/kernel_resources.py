@@ -108,9 +108,9 @@ def main() -> None:
     pdl.enabled = lambda device: True                # launch as on the H200
     with recording_launches() as launches:
         tree_launches() if args.tree_configs else call_every_wrapper()
-    print("| kernel | shape | warps | registers | spill stores B | spill loads B | stack B |" + (" SASS |" if args.sass
-                                                                                          else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|" if args.sass else ""))
+    sass_column = bool(args.sass)
+    print("| kernel | shape | warps | registers | spill stores B | spill loads B | stack B |" + " SASS |" * sass_column)
+    print("|---|---|---|---|---|---|---|" + "---|" * sass_column)
     seen = set()
     for fn, bound, options in launches:
         shape = {k: bound[k] for k in ("BN", "BV", "BK", "BC", "KR", "KC", "PRO", "EPI", "SWEEP_MAX")
