@@ -51,6 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", type=Path, required=True, help="the other version's tree_delta.py")
     ap.add_argument("--variants", default="[]", help="JSON list of configs of the working tree's kernel to add")
+    ap.add_argument("--variant-nodes", default="", help="node counts the variants run at (comma-separated; all)")
+    ap.add_argument("--nodes", default="", help="only the cases of these node counts (comma-separated; all)")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     base = load_module(args.base)
@@ -58,14 +60,17 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator().manual_seed(0)
     rows = []
+    variant_nodes = {int(x) for x in args.variant_nodes.split(",") if x}
     for kind, n, comb_depth in CASES:
+        if args.nodes and n not in {int(x) for x in args.nodes.split(",")}:
+            continue
         parents = tree(kind, n, comb_depth, gen).cuda()
         depth = int(ref.tree_depth(ref.tree_ancestors(parents.cpu())).max())
         layers = [layer_inputs(n, gen, "cuda") for _ in range(LAYERS)]
         L0 = layers[0]
         want = ref.tree_gated_delta_rule_ref(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents, L0["state"])
-        setups = [("base", base, {}), ("working tree", tree_delta, {})] + [("working tree", tree_delta, c)
-                                                                           for c in variants]
+        setups = [("base", base, {}), ("working tree", tree_delta, {})] + [
+            ("working tree", tree_delta, c) for c in variants if not variant_nodes or n in variant_nodes]
         runs = []
         for name, module, config in setups:
             got = module.tree_gated_delta_rule(L0["q"], L0["k"], L0["v"], L0["g"], L0["beta"], parents, L0["state"],

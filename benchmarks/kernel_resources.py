@@ -113,7 +113,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|" + "---|" * sass_column)
     seen = set()
     for fn, bound, options in launches:
-        shape = {k: bound[k] for k in ("BN", "BV", "BK", "BC", "KR", "KC", "PRO", "EPI", "SWEEP_MAX")
+        shape = {k: bound[k] for k in ("BN", "BV", "BK", "BC", "KR", "KC", "PRO", "EPI", "SWEEP_MAX", "ANC_LATE")
                  if k in bound}
         key = (fn.__name__, tuple(shape.items()), options.get("num_warps"))
         if key in seen:

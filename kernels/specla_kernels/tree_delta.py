@@ -86,6 +86,19 @@ INTERPRETED = isinstance(ancestor_mask, InterpretedFunction)
 _WIDEN_BF16_DOTS = tl.constexpr(INTERPRETED)
 
 
+# inline PTX does not run in the interpreter
+_PTX = tl.constexpr(not INTERPRETED)
+
+
+@triton.jit
+def _prefetch_l1(ptrs):
+    """Bring the lines at ``ptrs`` into L1 without waiting for them (``prefetch.global.L1``): a later load of them
+    hits L1, and nothing before it waits on the memory latency."""
+    if _PTX:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 @triton.jit
 def _mma(a, b, acc):
     """``acc + a @ b`` for bf16 ``a`` and ``b``: tensor-core products, exact in the fp32 accumulator."""
@@ -200,6 +213,7 @@ def tree_gdn_fwd_kernel(
     OUT_FP32: tl.constexpr,                # o is fp32: its last product also in tf32x3
     LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
     SWEEP_MAX: tl.constexpr,               # trees of depth <= this solve by sweeps (_sweep_solve); 0: never
+    ANC_LATE: tl.constexpr,                # the ancestor mask loaded after the K loop (prefetched into L1 before it)
     PDL: tl.constexpr,                     # launched with PDL (pdl.SMALL_KERNELS)
 ):
     pdl.allow_dependents(PDL)
@@ -232,25 +246,32 @@ def tree_gdn_fwd_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         p_q = q + tok[:, None] * stride_qt + i_h * K
-        # the small operands first, so that their latency hides behind the K loop
+        # the small operands are requested first and used only after the K loop, so that their memory latency
+        # overlaps the loop's instead of preceding it. The ancestor mask (built before the pass: pdl.py) is the
+        # exception: Triton converts its layout through shared memory right at the load, so the load is waited for
+        # there, before the loop's own loads are issued; with ANC_LATE it is prefetched into L1 here and loaded after
+        # the loop (tree_config says where that pays)
+        p_anc = ancestors + (i_b * n_anc + rows).to(tl.int64) * n_anc
         m_anc = rows < n_anc
-        anc = tl.load(ancestors + (i_b * n_anc + rows[:, None]).to(tl.int64) * n_anc + rows[None, :],
-                      mask=m_anc[:, None] & m_anc[None, :], other=0) != 0      # built before the pass: pdl.py
+        if ANC_LATE:
+            _prefetch_l1(p_anc)
+        else:
+            anc_early = tl.load(p_anc[:, None] + rows[None, :], mask=m_anc[:, None] & m_anc[None, :], other=0)
         pdl.wait_for_inputs(PDL)
-        b_g = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
-        b_beta = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.).to(tl.float32)
-        b_vv = tl.load(v + tok[:, None] * stride_vt + i_hv * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
-                       other=0.).to(tl.float32)
+        g_raw = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.)
+        beta_raw = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.)
+        v_raw = tl.load(v + tok[:, None] * stride_vt + i_hv * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :],
+                        other=0.)
 
-        # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred) and q's squared norms. k's are
-        # the diagonal of k.k: k never leaves shared memory for registers (the loop's body: 533 -> 358 sm_90
+        # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred; q's squared norms with q.k). k's
+        # are the diagonal of k.k: k never leaves shared memory for registers (the loop's body: 533 -> 358 sm_90
         # instructions, session 22). (q.q as a dot beside q.k, in the deferred pass, gave a wrong o on the H200 with
         # Triton 3.6 where the kernel had the block solve alone, at 64 and 128 nodes)
         b_kk = tl.zeros([BN, BN], dtype=tl.float32)
         b_qk = tl.zeros([BN, BN], dtype=tl.float32)
+        nq = tl.zeros([BN], dtype=tl.float32)
         b_ks = tl.zeros([BN, BV], dtype=tl.float32)
         b_qs = tl.zeros([BN, BV], dtype=tl.float32)
-        nq = tl.zeros([BN], dtype=tl.float32)
         p_h0 = h0 + i_bh.to(tl.int64) * V * K
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
@@ -259,8 +280,9 @@ def tree_gdn_fwd_kernel(
             b_k = tl.load(p_k + o_k[None, :], mask=m_nk, other=0.)
             b_q = tl.load(p_q + o_k[None, :], mask=m_nk, other=0.)
             b_s = tl.load(p_h0 + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.)
-            b_qf = b_q.to(tl.float32)
-            nq += tl.sum(b_qf * b_qf, 1)
+            b_qf = b_q.to(tl.float32)            # (the bf16 branch with LATE_QK does not use it: no code)
+            if not LATE_QK:
+                nq += tl.sum(b_qf * b_qf, 1)
             if BF16_DOT:
                 s_hi, s_lo = _split_bf16(b_s)
                 b_kk = _mma(b_k, tl.trans(b_k), b_kk)
@@ -275,9 +297,15 @@ def tree_gdn_fwd_kernel(
                 b_qs += tl.dot(b_qf, tl.trans(b_s), input_precision="tf32x3")
                 if not LATE_QK:
                     b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision="tf32x3")
+        if ANC_LATE:
+            anc = tl.load(p_anc[:, None] + rows[None, :], mask=m_anc[:, None] & m_anc[None, :], other=0) != 0
+        else:
+            anc = anc_early != 0
+        b_g = g_raw.to(tl.float32)
+        b_beta = beta_raw.to(tl.float32)
+        b_vv = v_raw.to(tl.float32)
         eye = rows[:, None] == rows[None, :]
         rk = 1. / tl.sqrt(tl.sum(tl.where(eye, b_kk, 0.), 1) + 1e-6)
-        rq = scale / tl.sqrt(nq + 1e-6)
 
         # ---- topology: path log-decay Γ, pairwise decay e^{Γ_i - Γ_j} on ancestor pairs
         gam = tl.sum(tl.where(anc, b_g[None, :], 0.), 1)
@@ -310,11 +338,14 @@ def tree_gdn_fwd_kernel(
                 m_nk = m_n[:, None] & (o_k < K)[None, :]
                 b_k = tl.load(p_k + o_k[None, :], mask=m_nk, other=0.)
                 b_q = tl.load(p_q + o_k[None, :], mask=m_nk, other=0.)
+                b_qf = b_q.to(tl.float32)
+                nq += tl.sum(b_qf * b_qf, 1)
                 if BF16_DOT:
                     b_qk = _mma(b_q, tl.trans(b_k), b_qk)
                 else:
-                    b_qk += tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="tf32x3")
+                    b_qk += tl.dot(b_qf, tl.trans(b_k.to(tl.float32)), input_precision="tf32x3")
             b_p = decay * b_qk
+        rq = scale / tl.sqrt(nq + 1e-6)
         b_p = rq[:, None] * b_p * rk[None, :]
         if OUT_FP32:
             b_o = tl.dot(b_p, b_u, input_precision="tf32x3")
@@ -439,8 +470,10 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         stages = 4 if BN == 16 else 3
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
+    # the ancestor mask after the K loop (ANC_LATE), session 23 (H200, bf16, 21 layers, drafted trees): 16 nodes 172
+    # -> 156 us, 64 nodes 318 -> 311, 128 nodes 923 -> 784; at 32 nodes before it (239 against 252)
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEPS.get(BN, 0))
+                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEPS.get(BN, 0), ANC_LATE=BN != 32)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -510,6 +543,7 @@ def tree_gated_delta_rule(
         H=H, HV=HV, K=K, V=V, BN=cfg['BN'], BC=cfg['BC'], BK=max(16, min(cfg['BK'], triton.next_power_of_2(K))),
         BV=cfg['BV'], BF16_DOT=k.dtype == q.dtype == torch.bfloat16,
         OUT_FP32=v.dtype == torch.float32, LATE_QK=cfg['LATE_QK'], SWEEP_MAX=cfg['SWEEP_MAX'],
+        ANC_LATE=cfg['ANC_LATE'],
         PDL=on,
         num_warps=cfg['num_warps'],
         num_stages=cfg['num_stages'], launch_pdl=on,
