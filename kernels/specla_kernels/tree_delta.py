@@ -470,8 +470,9 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         stages = 4 if BN == 16 else 3
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
-    # the ancestor mask after the K loop (ANC_LATE), session 23 (H200, bf16, 21 layers, drafted trees): 16 nodes 172
-    # -> 156 us, 64 nodes 318 -> 311, 128 nodes 923 -> 784; at 32 nodes before it (239 against 252)
+    # the ancestor mask after the K loop (ANC_LATE) or before it, session 23 (H200, bf16, 21 layers, drafted trees):
+    # after at 64 nodes (311 against 318 us) and 128 (784 against 923), before at 32 (239 against 252); 16 nodes was
+    # timed only after (159 us, against session 22's kernel's 174)
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
                 num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEPS.get(BN, 0), ANC_LATE=BN != 32)
 
