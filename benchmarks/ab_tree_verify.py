@@ -60,9 +60,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator().manual_seed(0)
     rows = []
+    nodes = {int(x) for x in args.nodes.split(",") if x}
     variant_nodes = {int(x) for x in args.variant_nodes.split(",") if x}
     for kind, n, comb_depth in CASES:
-        if args.nodes and n not in {int(x) for x in args.nodes.split(",")}:
+        if nodes and n not in nodes:
             continue
         parents = tree(kind, n, comb_depth, gen).cuda()
         depth = int(ref.tree_depth(ref.tree_ancestors(parents.cpu())).max())

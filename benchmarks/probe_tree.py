@@ -6,8 +6,8 @@ It copies ``kernels/specla_kernels/tree_delta.py`` with stamps added to the WY/U
 of the source; a stamp reads the SM clock once a value its phase computed is ready, through a data dependency on a
 sum of that value), runs the 21-layer verify of ``bench_kernels`` as one CUDA graph, and reports per phase the median
 over programs of its cycles (the K loop from the program's start, its first loads included; the mask, gates, ``v``
-and k's norms after it; decay, ``L`` and ``R``; the tree's depth; the solve; the deferred q.k pass; the output product; the stores), and from ``%globaltimer`` each layer's
-span. The sums the stamps wait on add cross-warp reductions: the probed graph runs ~15% slower than the plain one,
+and k's norms after it; decay, ``L`` and ``R``; the tree's depth; the solve; the deferred q.k pass; the output
+product; the stores), and from ``%globaltimer`` each layer's span. The sums the stamps wait on add cross-warp reductions: the probed graph runs ~15% slower than the plain one,
 so read the phases as shares, not as absolute times. When the kernel's source changes, an anchor that is gone
 stops the probe with its text.
 """
@@ -47,7 +47,8 @@ INSERTS = [
     ("                b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision=\"tf32x3\")\n",
      "        _stamp(pp, 1, tl.sum(b_kk) + tl.sum(b_ks) + tl.sum(b_qs), False)\n"),
     ("        rk = 1. / tl.sqrt(tl.sum(tl.where(eye, b_kk, 0.), 1) + 1e-6)\n",
-     "        _stamp(pp, 2, tl.sum(b_vv) + tl.sum(anc.to(tl.float32)) + tl.sum(b_g) + tl.sum(b_beta) + tl.sum(rk), False)\n"),
+     "        _stamp(pp, 2, tl.sum(b_vv) + tl.sum(anc.to(tl.float32)) + tl.sum(b_g) + tl.sum(b_beta)"
+     " + tl.sum(rk), False)\n"),
     ("        b_l = tl.where(eye, 0., (b_beta * rk)[:, None] * decay * b_kk * rk[None, :])\n",
      "        _stamp(pp, 3, tl.sum(b_l) + tl.sum(b_r), False)\n"),
     ("            depth = tl.max(tl.sum(anc.to(tl.int32), 1), 0) - 1\n",

@@ -100,6 +100,12 @@ def _prefetch_l1(ptrs):
 
 
 @triton.jit
+def _load_rows(p_rows, cols, m):
+    """The ``[len(cols), len(cols)]`` bytes at row starts ``p_rows``, rows and columns masked by ``m``."""
+    return tl.load(p_rows[:, None] + cols[None, :], mask=m[:, None] & m[None, :], other=0)
+
+
+@triton.jit
 def _mma(a, b, acc):
     """``acc + a @ b`` for bf16 ``a`` and ``b``: tensor-core products, exact in the fp32 accumulator."""
     if _WIDEN_BF16_DOTS:
@@ -256,7 +262,7 @@ def tree_gdn_fwd_kernel(
         if ANC_LATE:
             _prefetch_l1(p_anc)
         else:
-            anc_early = tl.load(p_anc[:, None] + rows[None, :], mask=m_anc[:, None] & m_anc[None, :], other=0)
+            anc_early = _load_rows(p_anc, rows, m_anc)
         pdl.wait_for_inputs(PDL)
         g_raw = tl.load(g + tok * HV + i_hv, mask=m_n, other=0.)
         beta_raw = tl.load(beta + tok * HV + i_hv, mask=m_n, other=0.)
@@ -297,10 +303,7 @@ def tree_gdn_fwd_kernel(
                 b_qs += tl.dot(b_qf, tl.trans(b_s), input_precision="tf32x3")
                 if not LATE_QK:
                     b_qk += tl.dot(b_qf, tl.trans(b_kf), input_precision="tf32x3")
-        if ANC_LATE:
-            anc = tl.load(p_anc[:, None] + rows[None, :], mask=m_anc[:, None] & m_anc[None, :], other=0) != 0
-        else:
-            anc = anc_early != 0
+        anc = (_load_rows(p_anc, rows, m_anc) if ANC_LATE else anc_early) != 0
         b_g = g_raw.to(tl.float32)
         b_beta = beta_raw.to(tl.float32)
         b_vv = v_raw.to(tl.float32)
