@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import LAYERS, V, bench_graph, comb_tree, drafted_tree, layer_inputs  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "specla_kernels" / "tree_delta.py"
-PHASES = ["K loop (from the start)", "mask, gates, v, norms", "decay/L/R", "depth", "solve", "deferred q.k",
+PHASES = ["K loop (from the start)", "mask, gates, v, norms", "decay/L/R", "depth", "solve", "q.k (LATE_QK), P",
           "o product", "stores"]
 STAMPS = '''
 @triton.jit

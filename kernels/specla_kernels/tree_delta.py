@@ -452,9 +452,8 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
     the time. For bf16 inputs (how models run) the shapes are the fastest of the sweep in benchmarks/bench_kernels.py
     on an H200 (Triton 3.6, 1.3B shape), each checked there against the reference: few warps per program win, and
     8 warps pay only at BN = 128 where the [BN, BN] tiles need the registers. Other dtypes keep the shapes their GPU
-    tests ran with (their tf32x3 branch holds more registers). From BN = 64 q.k is formed after the solve (LATE_QK):
-    it frees a [BN, BN] tile, and with Triton 3.6 on Hopper forming it in the K loop beside k.k gave a wrong q.k at
-    BN = 64 (bf16; not at BN <= 32).
+    tests ran with (their tf32x3 branch holds more registers). q.k is formed in the K loop beside k.k, or after the
+    solve in a pass of its own (LATE_QK, four reloads of k and q: it frees a [BN, BN] tile during the solve).
     """
     if small if small is not None else n <= SMALL_MAX:
         if n > 8:
@@ -471,13 +470,18 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
         BC, BV, warps = {16: (16, 16, 2), 32: (16, 32, 2), 64: (16, 32, 4), 128: (16, 32, 8)}[BN]
         BK = 32 if BN <= 32 else 64   # session 8's sweep: 21 layers 184 -> 163 us at 1 node, 357 -> 309 at 32
         stages = 4 if BN == 16 else 3
+        # session 24 (H200, 21 layers, drafted trees of depth 8): q.k in the K loop at 64 nodes 289 us against 310 after
+        # the solve (sessions 11-23 kept it after: session 11's K loop gave a wrong q.k there, session 22's, with k
+        # only in shared memory, gives the right one, GPU-tested), and after the solve at 128 nodes (790 against 865)
+        late_qk = BN >= 128
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
+        late_qk = BN >= 64
     # the ancestor mask after the K loop (ANC_LATE) or before it, session 23 (H200, bf16, 21 layers, drafted trees):
     # after at 64 nodes (311 against 318 us) and 128 (784 against 923), before at 32 (239 against 252); 16 nodes was
     # timed only after (159 us, against session 22's kernel's 174)
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=stages, LATE_QK=BN >= 64, SWEEP_MAX=SWEEPS.get(BN, 0), ANC_LATE=BN != 32)
+                num_warps=warps, num_stages=stages, LATE_QK=late_qk, SWEEP_MAX=SWEEPS.get(BN, 0), ANC_LATE=BN != 32)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
