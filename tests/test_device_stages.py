@@ -65,3 +65,29 @@ def test_pack_skips_a_file_removed_while_packing(tmp_path, monkeypatch):
     with tarfile.open(tmp_path / "stages.tgz") as tar:
         assert tar.extractfile("stages/sub/kept.txt").read() == b"kept"
         assert "stages/trace.json" not in tar.getnames()
+
+
+def test_cache_over_the_limit_keeps_its_newest_groups(tmp_path, monkeypatch):
+    """A Triton cache that packs over what the device returns keeps its newest compile groups that fit (older ones
+    are mostly earlier versions of edited kernels), not nothing; intermediate IRs never travel."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location("device_stages", SCRIPT)
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    monkeypatch.setattr(stages, "MAX_RETURNED_BYTES", 200_000)
+    cache = tmp_path / "cache"
+    for i in range(10):                              # 10 groups of 50 kB incompressible bytes, group 9 the newest
+        group = cache / f"group{i}"
+        group.mkdir(parents=True)
+        (group / "kernel.cubin").write_bytes(os.urandom(50_000))
+        (group / "kernel.ptx").write_bytes(os.urandom(50_000))
+        os.utime(group, (1000 + i, 1000 + i))
+    message = stages.pack_cache(cache, tmp_path / "cache.tar.xz")
+    assert "newest" in message
+    archive = tmp_path / "cache.tar.xz"
+    assert archive.stat().st_size <= 200_000
+    with tarfile.open(archive) as tar:
+        groups = {Path(name).parts[0] for name in tar.getnames()}
+        assert not any(name.endswith(".ptx") for name in tar.getnames())
+    assert groups == {f"group{i}" for i in range(10 - len(groups), 10)} and 1 <= len(groups) < 10
