@@ -76,9 +76,10 @@ def restore_cache(archive: Path, cache: Path) -> str:
 
 def pack_cache(cache: Path, archive: Path) -> str:
     """``cache``'s contents but the intermediate IRs as an xz tar at ``archive``; the fast preset, since the packing
-    comes out of the call's time. Over what the device returns, the newest compile groups (by modification time) that
-    fit are kept: Triton keys a group by its kernel's source, so the oldest are mostly earlier versions of edited
-    kernels, never hit again (session 24: 20-23 MiB packed, dropped whole)."""
+    comes out of the call's time. Over what the device returns, the most recently used compile groups that fit are
+    kept (a file's access time, which a relatime mount updates on the first read after extraction, else its
+    modification time): Triton keys a group by its kernel's source, so the least recently used are mostly earlier
+    versions of edited kernels, never hit again (session 24: 20-23 MiB packed, dropped whole)."""
     def keep(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
         return None if Path(member.name).suffix in IR_SUFFIXES else member
 
@@ -88,30 +89,33 @@ def pack_cache(cache: Path, archive: Path) -> str:
                 tar.add(entry, arcname=entry.name, filter=keep)
         return archive.stat().st_size
 
-    def raw_bytes(entry: Path) -> int:
+    def size_and_use(entry: Path) -> tuple[int, float]:
+        """The bytes of ``entry`` that travel, and when it was last read or written."""
         files = [entry] if entry.is_file() else [f for f in entry.rglob("*") if f.is_file()]
-        return sum(f.stat().st_size for f in files if f.suffix not in IR_SUFFIXES)
+        stats = [f.stat() for f in files]
+        return (sum(st.st_size for f, st in zip(files, stats) if f.suffix not in IR_SUFFIXES),
+                max((max(st.st_atime, st.st_mtime) for st in stats), default=0.))
 
     entries = sorted(cache.iterdir()) if cache.exists() else []
     size = write(entries)
     if size <= MAX_RETURNED_BYTES:
         return f"triton cache: {size / 2**20:.1f} MiB in {archive}"
-    # the packed / raw ratio of the whole cache sizes the newest slice that should fit, with a 10% margin
-    raw = {entry: raw_bytes(entry) for entry in entries}
-    budget = 0.9 * MAX_RETURNED_BYTES * sum(raw.values()) / size
+    # the packed / raw ratio of the whole cache sizes the most recently used slice that should fit, with a 10% margin
+    info = {entry: size_and_use(entry) for entry in entries}
+    budget = 0.9 * MAX_RETURNED_BYTES * sum(raw for raw, _ in info.values()) / size
     kept, total = [], 0
-    for entry in sorted(entries, key=lambda e: e.stat().st_mtime, reverse=True):
-        if total + raw[entry] > budget:
+    for entry in sorted(entries, key=lambda e: info[e][1], reverse=True):
+        if total + info[entry][0] > budget:
             break
         kept.append(entry)
-        total += raw[entry]
+        total += info[entry][0]
     trimmed = write(sorted(kept))
+    what = f"{size / 2**20:.1f} MiB packed, its {len(kept)} most recently used of {len(entries)} groups"
     if trimmed > MAX_RETURNED_BYTES:
         archive.unlink()
-        return (f"triton cache: {size / 2**20:.1f} MiB packed, {trimmed / 2**20:.1f} MiB for its newest "
-                f"{len(kept)} of {len(entries)} groups, over the {MAX_RETURNED_BYTES >> 20} MiB returned: dropped")
-    return (f"triton cache: {size / 2**20:.1f} MiB packed, over the {MAX_RETURNED_BYTES >> 20} MiB returned: its "
-            f"newest {len(kept)} of {len(entries)} groups, {trimmed / 2**20:.1f} MiB, in {archive}")
+        return (f"triton cache: {what} ({trimmed / 2**20:.1f} MiB) still over the {MAX_RETURNED_BYTES >> 20} MiB "
+                "returned: dropped")
+    return f"triton cache: {what} ({trimmed / 2**20:.1f} MiB) in {archive}"
 
 
 def run(command: list[str], log: Path, limit: float) -> int | str:

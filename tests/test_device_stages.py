@@ -1,5 +1,6 @@
 """benchmarks/device_stages.py: stages run under one budget; a stage cut at its limit loses neither what it wrote nor
 the stages after it, and its child processes die with it."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -7,6 +8,14 @@ import tarfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "device_stages.py"
+
+
+def load_script():
+    """The script as a module, to call its functions."""
+    spec = importlib.util.spec_from_file_location("device_stages", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_stages_keep_their_output_when_cut(tmp_path):
@@ -51,10 +60,7 @@ def test_triton_cache_is_carried_in_and_packed_out(tmp_path):
 def test_pack_skips_a_file_removed_while_packing(tmp_path, monkeypatch):
     """A stage may rename a file while the packer walks its folder (session 21: a trace gzipped in place): the file
     is skipped, the rest packed, and nothing raises."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("device_stages", SCRIPT)
-    stages = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stages)
+    stages = load_script()
     work = tmp_path / "stages"
     (work / "sub").mkdir(parents=True)
     (work / "sub" / "kept.txt").write_text("kept")
@@ -68,23 +74,19 @@ def test_pack_skips_a_file_removed_while_packing(tmp_path, monkeypatch):
 
 
 def test_cache_over_the_limit_keeps_its_newest_groups(tmp_path, monkeypatch):
-    """A Triton cache that packs over what the device returns keeps its newest compile groups that fit (older ones
-    are mostly earlier versions of edited kernels), not nothing; intermediate IRs never travel."""
-    import importlib.util
-    import os
-    spec = importlib.util.spec_from_file_location("device_stages", SCRIPT)
-    stages = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stages)
+    """A Triton cache that packs over what the device returns keeps its most recently used compile groups that fit
+    (the others are mostly earlier versions of edited kernels), not nothing; intermediate IRs never travel."""
+    stages = load_script()
     monkeypatch.setattr(stages, "MAX_RETURNED_BYTES", 200_000)
     cache = tmp_path / "cache"
-    for i in range(10):                              # 10 groups of 50 kB incompressible bytes, group 9 the newest
+    for i in range(10):          # 10 groups of 50 kB incompressible bytes, group 9 the most recently used
         group = cache / f"group{i}"
         group.mkdir(parents=True)
-        (group / "kernel.cubin").write_bytes(os.urandom(50_000))
-        (group / "kernel.ptx").write_bytes(os.urandom(50_000))
-        os.utime(group, (1000 + i, 1000 + i))
+        for name in ("kernel.cubin", "kernel.ptx"):
+            (group / name).write_bytes(os.urandom(50_000))
+            os.utime(group / name, (1000 + i, 1000 + i))
     message = stages.pack_cache(cache, tmp_path / "cache.tar.xz")
-    assert "newest" in message
+    assert "most recently used" in message
     archive = tmp_path / "cache.tar.xz"
     assert archive.stat().st_size <= 200_000
     with tarfile.open(archive) as tar:
