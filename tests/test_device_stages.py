@@ -73,7 +73,7 @@ def test_pack_skips_a_file_removed_while_packing(tmp_path, monkeypatch):
         assert "stages/trace.json" not in tar.getnames()
 
 
-def test_cache_over_the_limit_keeps_its_newest_groups(tmp_path, monkeypatch):
+def test_cache_over_the_limit_keeps_its_most_recently_used_groups(tmp_path, monkeypatch):
     """A Triton cache that packs over what the device returns keeps its most recently used compile groups that fit
     (the others are mostly earlier versions of edited kernels), not nothing; intermediate IRs never travel."""
     stages = load_script()
