@@ -15,13 +15,16 @@ own state and inputs, 63 MiB of states in all):
   writing a full [HV, V, K] fp32 state per node;
 - ``tree`` includes building the tree's ancestor mask once (``tree_ancestors``), which every layer reads, as a
   verify pass does;
-- ``commit``: ``commit_`` of the tree's deepest path, every layer's state and window in one launch, with the
-  ancestor mask the verify pass left (as the cache commits); ``commit_sweep``: the same at other state tile shapes.
+- ``commit``: ``commit_`` of the tree's deepest path, every layer's state and window in one launch, the path handed
+  over as the device loop's acceptance step hands it (a buffer as long as the tree is deep); ``commit_host``: the
+  same with the path in a buffer as long as the tree (the host loop's commit graph); ``commit_sweep``: ``commit`` at
+  other state tile shapes.
 and it reports bytes moved against the measured device-to-device copy bandwidth, and factor vs snapshot memory.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -31,7 +34,7 @@ import torch
 import triton
 
 from specla_kernels import reference as ref
-from specla_kernels.commit import commit_
+from specla_kernels.commit import commit_, root_path
 from specla_kernels.ops import commit_state_
 from specla_kernels.tree_conv import tree_conv
 from specla_kernels.tree_delta import SWEEPS, tree_ancestors, tree_config, tree_gated_delta_rule
@@ -62,14 +65,11 @@ SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w) for bv, w in ((8, 1), (8, 2)
 # bench_kernels_2026-12-01_s15call1_commit_warps): 2 warps [64, 64] 57.1 / 56.6 us, [32, 64] 55.5 / 51.9; 1 warp
 # [64, 64] 59.1 / 56.9; whole state rows [16, 256] 68.9 (2 warps) and 61.7 (4), [32, 256] 62.0 (4), [32, 128] 65.9 (2);
 # against the default's 54.9 / 50.4: fewer warps or contiguous rows do not raise the commit's DRAM rate
-# Each entry is a whole tile (it replaces commit_tile's): every state tile that session 16's alignment hint changed,
-# with path chunks of 16 and 32 nodes (BP; up to 16 nodes both are the whole padded tree in one masked dot), with and
-# without the hint (ALIGN=1: 32-bit accesses); the whole tree in one dot (BP=128), with every node's factors
-# requested beside the state tile (EAGER) and without; 8 warps
-COMMIT_SWEEP = [dict(BV=bv, BK=bk, BP=bp, EAGER=0, ALIGN=align, num_warps=4)
-                for bv, bk in ((64, 64), (32, 64), (64, 128), (128, 64)) for bp in (16, 32) for align in (16, 1)] + [
-    dict(BV=64, BK=64, BP=128, EAGER=eager, ALIGN=16, num_warps=4) for eager in (0, 1)] + [
-    dict(BV=64, BK=64, BP=16, EAGER=0, ALIGN=16, num_warps=8)]
+# Each entry is a whole tile (it replaces commit_tile's): state tiles with and without the alignment hint (ALIGN=1:
+# 32-bit accesses), path chunks of 16 and 32 nodes (BP), 8 warps
+COMMIT_SWEEP = [dict(BV=bv, BK=bk, BP=16, ALIGN=align, num_warps=4)
+                for bv, bk in ((64, 64), (32, 64), (64, 128), (128, 64)) for align in (16, 1)] + [
+    dict(BV=64, BK=64, BP=32, ALIGN=16, num_warps=4), dict(BV=64, BK=64, BP=16, ALIGN=16, num_warps=8)]
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 
@@ -304,11 +304,16 @@ def main() -> None:
             _, kh, uu = tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"])
             factors.append((kh, uu))
 
-        anc = tree_ancestors(parents)
+        # the accepted path as the device loop hands it over (greedy_accept: a buffer as long as the tree is deep,
+        # padded with the accepted node), and as the host loop's commit graph holds it (as long as the tree)
+        nodes, length = root_path(tree_ancestors(parents), accepted)
+        loop_path = torch.cat([nodes[:, :path_len], accepted.repeat(1, int(depth.max()) + 1 - path_len)], 1)
+        paths = dict(commit=(loop_path, length), commit_host=(torch.where(
+            torch.arange(n, device=dev) < path_len, nodes, accepted), length))
 
-        def commit(ls, tile=None):      # every layer's state and window in one launch, as the cache commits
+        def commit(ls, tile=None, path="commit"):   # every layer's state and window in one launch, as the cache commits
             fs = factors[:len(ls)]
-            return lambda: commit_(parents, accepted, ancestors=anc, tile=tile,
+            return lambda: commit_(*paths[path], tile=tile,
                                    states=([L["state"] for L in ls], [kh for kh, _ in fs], [uu for _, uu in fs],
                                            [L["g"] for L in ls]),
                                    windows=([L["x"] for L in ls], [L["window"] for L in ls]))
@@ -320,8 +325,8 @@ def main() -> None:
         row = dict(N=n, path_len=path_len, checks=checks, ok=ok, config=tree_config(n, V, DTYPE), sweep=sweep,
                    best=best["config"] if best else None)
         for name, make in [("tree", tree), ("fla_chain", fla_chain), ("snapshot", snapshot), ("commit", commit),
-                           ("conv", conv)]:
-            if name == "snapshot" and args.no_snapshot or args.commit_only and name != "commit":
+                           ("commit_host", functools.partial(commit, path="commit_host")), ("conv", conv)]:
+            if name == "snapshot" and args.no_snapshot or args.commit_only and not name.startswith("commit"):
                 continue
             row[f"{name}_1_ms"] = bench_graph(make(layers[:1]))
             row[f"{name}_21_ms"] = bench_graph(make(layers))
@@ -329,8 +334,7 @@ def main() -> None:
         for t in COMMIT_SWEEP:
             s_t = state0.clone()                  # each tile shape checked on layer 0, then timed on all layers
             try:
-                commit_(parents, accepted, ancestors=anc, tile=t,
-                        states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
+                commit_(*paths["commit"], tile=t, states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
             except triton.runtime.errors.OutOfResources as e:       # e.g. [64, 256] at 128 nodes: shared memory
                 row["commit_sweep"].append(dict(tile=t, error=str(e)))
                 continue
@@ -364,9 +368,9 @@ def main() -> None:
           f"{copy_bw / 1e9:.0f} GB/s; 21 trivial kernels from one graph {t_launch21 * us:.1f} us; times are medians "
           "of CUDA-graph replays (L2 flushed), in us; torch._foreach_mul_ of the 21 states (the commit's floor) "
           f"{out['state_rmw_21_ms'] * us:.1f}")
-    print("\n| N | tree 1L | tree 21L | fla chain 21L | tree/fla | snapshot 21L | commit 1L | commit 21L | conv 21L "
-          "| tree GB/s | commit GB/s | path | check | best launch shape (1L, 21L) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | tree 1L | tree 21L | fla chain 21L | tree/fla | snapshot 21L | commit 1L | commit 21L "
+          "| commit 21L, host loop | conv 21L | tree GB/s | commit GB/s | path | check | best launch shape (1L, 21L) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
         r = {"tree_1_ms": nan, "tree_21_ms": nan, "fla_chain_21_ms": nan, "conv_21_ms": nan, **r}  # --commit-only
         tb = r.get("tree_best_21_ms", r["tree_21_ms"])
@@ -375,7 +379,8 @@ def main() -> None:
         print(f"| {r['N']} | {r['tree_1_ms'] * us:.1f} | {r['tree_21_ms'] * us:.1f} | {r['fla_chain_21_ms'] * us:.1f} "
               f"| {tb / r['fla_chain_21_ms']:.2f} | {r.get('snapshot_21_ms', nan) * us:.1f} "
               f"| {r['commit_1_ms'] * us:.1f} "
-              f"| {r['commit_21_ms'] * us:.1f} | {r['conv_21_ms'] * us:.1f} | {r['tree_GBps']:.0f} "
+              f"| {r['commit_21_ms'] * us:.1f} | {r.get('commit_host_21_ms', nan) * us:.1f} "
+              f"| {r['conv_21_ms'] * us:.1f} | {r['tree_GBps']:.0f} "
               f"| {r['commit_GBps']:.0f} | {r['path_len']} | {'ok' if r['ok'] else 'FAIL'} | {best} |")
     for r in out["rows"]:
         print(f"commit 21L at N = {r['N']}, us (rel err vs reference): "

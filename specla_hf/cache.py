@@ -112,13 +112,16 @@ class SpecLACache(Cache):
         return dict(states=tuple([getattr(l, name) for l in layers] for name in ("state", "k_hat", "u", "g")),
                     windows=None if layers[0].window is None else ([l.x for l in layers], [l.window for l in layers]))
 
-    def commit(self, accepted: torch.Tensor | int, path_length: int | None = None) -> None:
+    def commit(self, accepted: torch.Tensor | int, path_length: int | None = None,
+               path: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Keep the root-to-``accepted`` path of the pending nodes (index per sequence; -1 keeps none).
-        ``path_length``, the number of nodes on that path when the caller knows it, saves a device round trip."""
+        ``path_length``, the number of nodes on that path when the caller knows it, saves a device round trip;
+        ``path = (nodes [B, P], length [B])``, that path on the device when the caller has it (``ops.commit_``), a
+        few small kernels."""
         B = self.parents.shape[0]
         if isinstance(accepted, int):
             accepted = torch.full((B,), accepted, dtype=torch.long, device=self.parents.device)
-        ops.commit_(self.parents, accepted, ancestors=self.ancestors, **self.commit_operands())
+        ops.commit_(self.parents, accepted, ancestors=self.ancestors, path=path, **self.commit_operands())
         if path_length is None:
             depth = tree_depth(self.ancestors)
             # batch 1 is what the decoding loop drives; for B > 1 every sequence must accept the same count

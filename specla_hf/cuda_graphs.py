@@ -105,8 +105,8 @@ class _Graph:
     prefix: tuple | None            # static copies of the pending parents and factors the call extends
     out: object                     # RunnerOutput of the captured call
     pending: tuple | None           # (cache.parents, cache.ancestors, [(k_hat, u, g, x) per layer]) after the call
-    commit: object = None           # a tree call's commit graph (captured on first commit), and its accepted node
-    accepted: torch.Tensor | None = None
+    commit: object = None           # a tree call's commit graph (captured on first commit), and the path it commits
+    path: torch.Tensor | None = None
 
 
 class GraphedForward:
@@ -164,28 +164,30 @@ class GraphedForward:
             self.last_tree = g
         return g.out
 
-    def commit(self, cache, accepted: int, path_length: int) -> bool:
-        """``cache.commit`` of the pending nodes of the last tree call as one graph replay (the commit kernels of
-        every layer read that graph's static outputs); False, doing nothing, if the cache holds other nodes."""
+    def commit(self, cache, path: list[int]) -> bool:
+        """``cache.commit`` of the pending nodes ``path`` (root first) of the last tree call as one graph replay (the
+        commit kernel reads that graph's static outputs); False, doing nothing, if the cache holds other nodes."""
         g = self.last_tree
         if g is None or cache.parents is not g.pending[0]:
             return False
         if g.commit is None:
             from specla_kernels import ops
-            g.accepted = torch.full((1,), -1, dtype=torch.long, device=g.parents.device)
             parents, ancestors, _ = g.pending
+            # the accepted node, the path's length, then its nodes: what the host writes before each replay, one copy
+            g.path = torch.zeros(1, 2 + parents.shape[1], dtype=torch.long, device=parents.device)
             operands = cache.commit_operands()          # the cache holds this graph's outputs as its pending nodes
 
             def commit_all():
-                ops.commit_(parents, g.accepted, ancestors=ancestors, **operands)
-            # captured with accepted = -1: the warm-up run inside `capture` then commits nothing
+                ops.commit_(parents, g.path[0, :1], ancestors=ancestors, path=(g.path[:, 2:], g.path[:, 1]),
+                            **operands)
+            # captured with a path of length 0: the warm-up run inside `capture` then commits nothing
             g.commit = capture_or_warn(commit_all, "the commit", "committing eagerly", self.emulate) or False
         if g.commit is False:
             return False
-        g.accepted.fill_(accepted)
+        g.path[0, :2 + len(path)].copy_(torch.tensor([path[-1], len(path), *path]))
         g.commit.replay()
         cache.discard()
-        cache.seq_length += path_length
+        cache.seq_length += len(path)
         return True
 
     def _capture(self, inputs, cache, parents, logits_positions, hidden_layers) -> _Graph:

@@ -220,7 +220,7 @@ def speculative_decode(
             node, emitted, scores = accept_path(tree, logits, context, logits_processor, do_sample, argmax)
             path = _path_nodes(tree, node)
         with record_function("specla.commit"):
-            target.commit(cache, node, len(path))
+            target.commit(cache, path)
         if feature_layers:
             with record_function("specla.features"):
                 drafter.add_features(out.hidden_states, path)
@@ -269,7 +269,7 @@ class _StepTail:
         self.drafter.buffers.keep_verified()              # the drafter's last_tree once the loop ends
         acc = greedy_accept(tokens[0], parents[0], self.cache.ancestors[0, :n, :n], out.logits[0].argmax(-1),
                             self.cap)
-        self.cache.commit(acc.node, path_length=0)                  # the loop counts the positions
+        self.cache.commit(acc.node, path_length=0, path=(acc.path[None], acc.length))   # the loop counts positions
         self.drafter.catch_up(out.hidden_states, acc)
         return acc
 

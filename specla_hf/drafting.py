@@ -102,6 +102,7 @@ class DraftBuffers:
         self.root_logp: torch.Tensor | None = None    # the root's draft log-probs when ``start`` consumed it
         # ``catch_up``'s chain (parents), as long as the longest accepted path (static: step graphs read it)
         self.chain = torch.arange(-1, depth, device=device)[None]
+        self.chain_path = self.chain + 1                 # its nodes, root first (the commit reads them)
 
     def queue_best(self, d: int) -> None:
         """Start reading depth ``d``'s best candidate score back to the host (``read_best``)."""
@@ -318,7 +319,7 @@ class DynamicTreeDrafter(CandidateGenerator):
     def _root_from(self, accepted, last: torch.Tensor, logp: torch.Tensor) -> None:
         """``catch_up``'s end: commit the accepted path's ``last`` node of the chain just verified (``advance`` counts
         the positions), whose draft log-probs ``logp`` are the next root's, and make its token (the bonus) the root."""
-        self.cache.commit(last, path_length=0)
+        self.cache.commit(last, path_length=0, path=(self.buffers.chain_path, accepted.length))
         self._root_logp(logp.shape[-1]).copy_(logp)
         self.buffers.tokens[:1].copy_(accepted.emitted.index_select(0, last))
 

@@ -276,14 +276,14 @@ class GDNRunner:
             rows = [i - start for i in wanted if start <= i < start + n]
             logits.append((out.logits[:, rows[0]:rows[-1] + 1:wanted.step] if rows else out.logits[:, :0]).clone())
             hidden.append([h[:, :n].clone() for h in out.hidden_states])
-            self.commit(cache, accepted=n - 1, path_length=n)
+            self.commit(cache, list(range(n)))
         return RunnerOutput(torch.cat(logits, 1), tuple(torch.cat(h, 1) for h in zip(*hidden)))
 
-    def commit(self, cache: SpecLACache, accepted: int, path_length: int) -> None:
-        """Keep the root-to-``accepted`` path of the verified nodes (``path_length`` nodes): one CUDA-graph replay when
-        they came from a graphed verify pass, ``cache.commit`` otherwise."""
-        if self.graphs is None or not self.graphs.commit(cache, accepted, path_length):
-            cache.commit(accepted, path_length=path_length)
+    def commit(self, cache: SpecLACache, path: list[int]) -> None:
+        """Keep the verified nodes ``path`` (a root-to-node path, root first): one CUDA-graph replay when they came
+        from a graphed verify pass, ``cache.commit`` otherwise."""
+        if self.graphs is None or not self.graphs.commit(cache, path):
+            cache.commit(path[-1], path_length=len(path))
 
     def _forward(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         if (self.fused_step and parents is None and not hidden_layers and isinstance(input_ids, torch.Tensor)

@@ -343,14 +343,21 @@ def test_commit_all_layers_in_one_launch(device, kind):
              ref.commit_window_ref(l["x"], l["window"], parents, accepted)) for l in layers]
     states = [l["state"].clone() for l in layers]
     windows = [l["window"].clone() for l in layers]
-    # the mask built by the kernel or given (as the cache gives it); the path's nodes in one dot over the tree or
-    # gathered 16 per dot (several chunks on the deep tree's long paths); every node's factors loaded before the path
-    # is known (EAGER; the default before session 17 at 9-16 nodes) or after it
+    # the path read off the mask (built, or given as the cache gives it) or handed over as the acceptance step has
+    # it: padded with the accepted node, in a buffer wider than the tree whose rows and lengths are strided views;
+    # chunks of 16 nodes (several on the deep tree's long paths) and one chunk of 128
     anc = tree_ancestors(parents)
-    gathered = functools.partial(commit_kernels.commit_, tile=dict(BP=16))
-    eager = functools.partial(commit_kernels.commit_, tile=dict(BP=128, EAGER=1))
-    lazy = functools.partial(commit_kernels.commit_, tile=dict(BP=128, EAGER=0))
-    for ancestors, commit in ((None, commit_), (anc, commit_), (anc, gathered), (anc, eager), (anc, lazy)):
+    nodes, length = commit_kernels.root_path(anc, accepted)
+    packed = torch.zeros(B, 2 + Nt + 5, dtype=torch.long, device=device)
+    packed[:, 1] = length
+    packed[:, 2:] = accepted.clamp(min=0)[:, None]
+    for b in range(B):
+        packed[b, 2:2 + int(length[b])] = nodes[b, :int(length[b])]
+    handed = (packed[:, 2:], packed[:, 1])
+    via = lambda path, **tile: lambda parents, accepted, ancestors, **parts: commit_kernels.commit_(   # noqa: E731
+        *path, tile=tile, **parts)
+    for ancestors, commit in ((None, commit_), (anc, commit_), (anc, functools.partial(commit_, path=handed)),
+                              (anc, via(handed, BP=128)), (anc, via((nodes, length), BP=16, BV=32, BK=128))):
         for s, w, l in zip(states, windows, layers):
             s.copy_(l["state"])
             w.copy_(l["window"])

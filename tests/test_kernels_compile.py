@@ -98,13 +98,11 @@ def call_every_wrapper():
     x = z(1, N, D)
     tree_conv.tree_conv(x, z(D, W), None, z(1, D, W), parents, x_out=z(1, N, D))
     tree_delta.tree_ancestors(parents)
-    anc = torch.zeros(1, N, N, dtype=torch.bool)
-    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc,
-                   states=([state, state.clone()], [z(1, N, H, K, dtype=f32)] * 2, [z(1, N, H, V, dtype=f32)] * 2,
-                           [z(1, N, H, dtype=f32)] * 2), windows=([x, x.clone()], [z(1, D, W), z(1, D, W)]))
-    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(BP=16),   # path gathered
-                   states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]))
-    commit.commit_(parents, torch.zeros(1, dtype=torch.long), ancestors=anc, tile=dict(BP=N, EAGER=1),
+    path, length = torch.arange(N)[None], torch.full((1,), N)
+    commit.commit_(path, length, states=([state, state.clone()], [z(1, N, H, K, dtype=f32)] * 2,
+                                         [z(1, N, H, V, dtype=f32)] * 2, [z(1, N, H, dtype=f32)] * 2),
+                   windows=([x, x.clone()], [z(1, D, W), z(1, D, W)]))
+    commit.commit_(path[:, :9], length, tile=dict(BP=32),            # one chunk of a short path, wider
                    states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]),
                    windows=([x], [z(1, D, W)]))
     topk.row_topk(z(4, 16384), 4)
@@ -154,11 +152,9 @@ def test_state_and_weight_streams_are_128_bit(launches):
     moving 4 bytes at a time. The GEMV's weight stream, from a pointer argument, must be 128-bit too."""
     from specla_kernels import commit, gemv
     H, K, V, N = 6, 256, 512, 16
-    parents = torch.arange(-1, N - 1).view(1, N)
     states = ([torch.zeros(1, H, V, K)], [torch.zeros(1, N, H, K)], [torch.zeros(1, N, H, V)], [torch.zeros(1, N, H)])
     for align in (16, 1):
-        commit.commit_(parents, torch.zeros(1, dtype=torch.long), states=states, tile=dict(ALIGN=align),
-                       ancestors=torch.zeros(1, N, N, dtype=torch.bool))
+        commit.commit_(torch.arange(N)[None], torch.ones(1, dtype=torch.long), states=states, tile=dict(ALIGN=align))
     gemv.gemv(torch.zeros(4096, 2048, dtype=torch.bfloat16), torch.zeros(2048, dtype=torch.bfloat16))
     (c_16, b_16, o_16), (c_1, b_1, o_1), (g, b_g, o_g) = launches
     hinted, unhinted = (compile_for_h200(c, b, o).asm["ptx"] for c, b, o in ((c_16, b_16, o_16), (c_1, b_1, o_1)))

@@ -5,14 +5,18 @@ the path from the committed state to the accepted node ``m`` and ``Γ`` the path
 
     S ← e^{Γ_m} S + Σ_{j∈P} e^{Γ_m-Γ_j} u_j k̂_jᵀ
 
-one rank-|P| update from the compact factors; the state is read once and written once. The path is row ``m`` of the
-tree's ancestor mask (``tree_ancestors``, built once per tree by the verify pass); since parents precede children,
-``Γ_m - Γ_j`` is the sum of the path's gates after ``j``: a cumulative sum, no mask to build. Each program owns one
-[BV, BK] tile of one head's state: it requests the tile first (it depends on nothing), then reads the path's gates
-and factors only, one dot over the tree's nodes masked to the path (or, with ``BP`` below the padded node count,
-the path's nodes gathered ``BP`` per dot), one store.
+one rank-|P| update from the compact factors; the state is read once and written once. The kernel is handed the path
+itself, root first (``path [B, P]`` and its length ``[B]``): the acceptance step has it (``greedy_accept``), a chain's
+path is its first nodes, and :func:`root_path` reads it off the tree's ancestor mask for anyone else. Each program
+owns one [BV, BK] tile of one head's state: it requests the tile, the path's first ``BP`` nodes and the length at
+once (none depends on another), then the gates and factors of those nodes, one dot, one store. Longer paths take
+further chunks of ``BP`` nodes, each one step of the recurrence over its nodes (the state decays by the chunk's
+gates, then adds the chunk's update): exact, and no weight needs the gates of a later chunk.
+(Sessions 7-24 handed over the accepted node only: each program loaded it, then its row of the ancestor mask, then
+gathered the path from the row: one dependent L2 round trip more before the factors, and work that grew with the
+tree's size, not the path's: 51.0 / 53.4 / 54.8 us at 16 / 32 / 64 nodes for the same 9-node path, session 24.)
 The window part is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
-inputs of ``[old window, x along P]``. ``accepted[b] == -1`` leaves batch row ``b`` untouched in both.
+inputs of ``[old window, x along P]``. A length of 0 leaves batch row ``b`` untouched in both.
 
 The layers' tensors are separate allocations (the pending factors are outputs of the verify pass), so the kernel takes
 tables of per-layer base addresses; one grid holds the state tiles of every layer, then the window blocks. The
@@ -21,16 +25,12 @@ Addresses read from a table carry no alignment Triton can see (a pointer argumen
 a loaded one is not), so the kernel is told when every table's tensors are aligned (``ALIGN``, checked on the host):
 128-bit loads and stores of the state and factors instead of 32-bit ones (session 16; 115 -> 96 registers at [64, 64]
 tiles, Triton 3.6's ptxas).
-Before session 7 this was three launches (the path weights, the states, the windows), and the first rebuilt the
-ancestor mask of the tree per (layer, sequence, head).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from specla_kernels.tree_delta import tree_ancestors
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -44,33 +44,26 @@ def _base(table, i_l, DTYPE: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _path(ancestors, accepted, i_b, Nt, BN: tl.constexpr):
-    """The accepted node ``m`` of sequence ``i_b`` and its path as a mask over the nodes (row ``m`` of the ancestor
-    mask; all False when ``m == -1``)."""
-    m = tl.load(accepted + i_b).to(tl.int32)
-    rows = tl.arange(0, BN)
-    row = tl.load(ancestors + (i_b * Nt + tl.maximum(m, 0)).to(tl.int64) * Nt + rows, mask=rows < Nt, other=0)
-    # (a vector compare, not `& (m >= 0)`: the interpreter turns a bool vector & bool scalar into int32)
-    return m, (row != 0) & (rows < tl.where(m >= 0, Nt, 0))
-
-
-@triton.jit
-def _factors(tok, m_p, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-             V: tl.constexpr):
-    """The ``u`` and ``k̂`` tiles of the nodes ``tok`` where ``m_p`` (masked rows are not read) for a program's state
-    tile."""
-    b_u = tl.load(u + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_p[:, None] & (o_v < V)[None, :], other=0.)
-    b_kh = tl.load(k_hat + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_p[:, None] & (o_k < K)[None, :],
-                   other=0.)
-    return b_u, b_kh
-
-
-@triton.jit
-def _path_update(tok, m_p, w_p, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def _path_update(row, on, w, u, k_hat, o_v, o_k, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                  V: tl.constexpr):
-    """``Σ_p w_p u_p k̂_pᵀ`` on a program's state tile over the nodes ``tok`` where ``m_p``."""
-    b_u, b_kh = _factors(tok, m_p, u, k_hat, o_v, o_k, i_h, i_hv, H, HV, K, V)
-    return tl.dot(tl.trans(b_u * w_p[:, None]), b_kh, input_precision="tf32x3")
+    """``Σ_p w_p u_p k̂_pᵀ`` on a program's state tile over the factor rows ``row`` where ``on`` (the rest are not
+    read)."""
+    b_u = tl.load(u + (row[:, None] * HV + i_hv) * V + o_v[None, :], mask=on[:, None] & (o_v < V)[None, :], other=0.)
+    b_kh = tl.load(k_hat + (row[:, None] * H + i_h) * K + o_k[None, :], mask=on[:, None] & (o_k < K)[None, :],
+                   other=0.)
+    return tl.dot(tl.trans(b_u * w[:, None]), b_kh, input_precision="tf32x3")
+
+
+@triton.jit
+def _chunk(b_s, node, on, i_b, i_h, i_hv, o_v, o_k, g, u, k_hat, Nt, H: tl.constexpr, HV: tl.constexpr,
+           K: tl.constexpr, V: tl.constexpr):
+    """One step of the recurrence over the path nodes ``node`` where ``on`` (in path order): the state tile decays by
+    their gates, then takes their update."""
+    row = (i_b * Nt + node).to(tl.int64)
+    b_g = tl.load(g + row * HV + i_hv, mask=on, other=0.)
+    gam = tl.sum(b_g, 0)                                           # the chunk's log-decay
+    b_w = tl.where(on, tl.exp(gam - tl.cumsum(b_g, 0)), 0.)        # e^{Γ_end - Γ_j}: the gates after j
+    return b_s * tl.exp(gam) + _path_update(row, on, b_w, u, k_hat, o_v, o_k, i_h, i_hv, H, HV, K, V)
 
 
 @triton.jit
@@ -93,71 +86,54 @@ def _tile(pid, state_ptrs, BHV, H: tl.constexpr, HV: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _commit_state_tile(pid, b_s, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, ancestors, accepted, Nt, BHV,
+def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, path, length, s_path, s_len, P, Nt, BHV,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BN: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       EAGER: tl.constexpr, ALIGN: tl.constexpr):
-    """Commit state tile ``pid``, whose current values ``b_s`` the caller has loaded."""
+                       BP: tl.constexpr, LONG: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       ALIGN: tl.constexpr):
     i_l, i_b, i_hv, i_h, o_v, o_k, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV, ALIGN)
-    rows = tl.arange(0, BN)
-    k_hat = _base(k_hat_ptrs, i_l, tl.float32, ALIGN)
-    u = _base(u_ptrs, i_l, tl.float32, ALIGN)
-    if EAGER:
-        # every node's factors, requested beside the state tile rather than after the path is known (they are the
-        # verify pass's outputs, in L2): one dependent round trip fewer, the path masks the weights instead
-        b_u, b_kh = _factors((i_b * Nt + rows).to(tl.int64), rows < Nt, u, k_hat, o_v, o_k, i_h, i_hv, H, HV, K, V)
-    m, on_path = _path(ancestors, accepted, i_b, Nt, BN)
-    if m >= 0:
+    b_s = tl.load(p_sk, mask=m_sk, other=0.)
+    slot = tl.arange(0, BP)
+    # the first chunk's nodes are requested with the length, not after it (padding slots hold valid node numbers or
+    # are masked off below: they are never used to address memory unmasked)
+    first = tl.load(path + i_b * s_path + slot, mask=slot < P, other=0)
+    n_path = tl.load(length + i_b * s_len).to(tl.int32)
+    if n_path > 0:
+        k_hat = _base(k_hat_ptrs, i_l, tl.float32, ALIGN)
+        u = _base(u_ptrs, i_l, tl.float32, ALIGN)
         g = _base(g_ptrs, i_l, tl.float32, ALIGN)
-        b_g = tl.load(g + (i_b * Nt + rows).to(tl.int64) * HV + i_hv, mask=on_path, other=0.)   # path rows only
-        gam_m = tl.sum(b_g, 0)
-        b_w = tl.where(on_path, tl.exp(gam_m - tl.cumsum(b_g, 0)), 0.)      # e^{Γ_m - Γ_j}: the gates after j
-        b_s = b_s * tl.exp(gam_m)
-        if EAGER:
-            b_s += tl.dot(tl.trans(b_u * b_w[:, None]), b_kh, input_precision="tf32x3")
-        elif BP == BN:
-            # one dot over the tree's nodes, masked to the path
-            b_s += _path_update((i_b * Nt + rows).to(tl.int64), on_path, b_w, u, k_hat, o_v, o_k, i_h, i_hv,
-                                H, HV, K, V)
-        else:
-            # the path's nodes in path order, BP per dot: the dot and its factor tiles are as deep as the path, not
-            # the tree. Chunks are unrolled and skipped past the path's end (a loop with a data-dependent trip
-            # count measured 2-4x slower, session 7).
-            pos = tl.cumsum(on_path.to(tl.int32), 0) - 1                     # a path node's position on the path
-            n_path = tl.sum(on_path.to(tl.int32), 0)
-            for c in tl.static_range(BN // BP):
-                if c * BP < n_path:
-                    slot = c * BP + tl.arange(0, BP)
-                    hit = on_path[None, :] & (pos[None, :] == slot[:, None])            # [BP, BN]
-                    tok = (i_b * Nt + tl.sum(tl.where(hit, rows[None, :], 0), 1)).to(tl.int64)
-                    b_s += _path_update(tok, slot < n_path, tl.sum(tl.where(hit, b_w[None, :], 0.), 1), u, k_hat,
-                                        o_v, o_k, i_h, i_hv, H, HV, K, V)
+        b_s = _chunk(b_s, first, slot < n_path, i_b, i_h, i_hv, o_v, o_k, g, u, k_hat, Nt, H, HV, K, V)
+        if LONG:
+            # paths longer than a chunk: a loop over the further chunks, compiled only where the path's buffer is
+            # longer than a chunk (Triton 3.6's ptxas at [64, 64]: 96 registers without it, 128 with it, 141 with
+            # four chunks unrolled, 150 with the loop software-pipelined)
+            for c in tl.range(1, tl.cdiv(n_path, BP), num_stages=1):
+                node = tl.load(path + i_b * s_path + c * BP + slot, mask=c * BP + slot < P, other=0)
+                b_s = _chunk(b_s, node, c * BP + slot < n_path, i_b, i_h, i_hv, o_v, o_k, g, u, k_hat, Nt,
+                             H, HV, K, V)
         tl.store(p_sk, b_s, mask=m_sk)
 
 
 @triton.jit
-def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
+def _commit_window_block(pid, x_ptrs, window_ptrs, path, length, s_path, s_len, Nt, B, D,
                          X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
-                         BN: tl.constexpr, BD: tl.constexpr, ALIGN: tl.constexpr):
+                         BD: tl.constexpr, ALIGN: tl.constexpr):
     ND = tl.cdiv(D, BD)
     i_lb, i_d = pid // ND, pid % ND
     i_l, i_b = i_lb // B, i_lb % B
-    m, on_path = _path(ancestors, accepted, i_b, Nt, BN)
-    if m >= 0:
+    n_path = tl.load(length + i_b * s_len).to(tl.int32)
+    if n_path > 0:
         x = _base(x_ptrs, i_l, X_DTYPE, ALIGN)
         window = _base(window_ptrs, i_l, W_DTYPE, ALIGN)
         o_d = i_d * BD + tl.arange(0, BD)
         m_d = o_d < D
-        rows = tl.arange(0, BN)
-        pos_of = tl.cumsum(on_path.to(tl.int32), 0) - 1           # a path node's position on the path (root: 0)
-        n_path = tl.sum(on_path.to(tl.int32), 0)
         col = tl.arange(0, BW)
         m_col = col < W
         # new column t is input n_path + t of [old window (W), path (n_path)], counting from W - 1 inputs back
-        pos = n_path + col - W                                     # < 0: old column n_path + t
-        src = tl.max(tl.where(on_path[None, :] & (pos_of[None, :] == pos[:, None]), rows[None, :], -1), 1)
-        from_tree = tl.load(x + (i_b * Nt + src[None, :]).to(tl.int64) * D + o_d[:, None],
-                            mask=m_d[:, None] & (m_col & (pos >= 0))[None, :], other=0.)
+        pos = n_path + col - W                                     # >= 0: path slot pos; < 0: old column n_path + t
+        m_tree = m_col & (pos >= 0)
+        node = tl.load(path + i_b * s_path + pos, mask=m_tree, other=0)
+        from_tree = tl.load(x + (i_b * Nt + node[None, :]).to(tl.int64) * D + o_d[:, None],
+                            mask=m_d[:, None] & m_tree[None, :], other=0.)
         p_w = window + (i_b * D + o_d[:, None]).to(tl.int64) * W
         from_win = tl.load(p_w + (n_path + col)[None, :], mask=m_d[:, None] & (m_col & (pos < 0))[None, :], other=0.)
         new = tl.where((pos >= 0)[None, :], from_tree.to(W_DTYPE), from_win.to(X_DTYPE).to(W_DTYPE))
@@ -166,22 +142,21 @@ def _commit_window_block(pid, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D
         tl.store(p_w + col[None, :], new, mask=m_d[:, None] & m_col[None, :])
 
 
-@triton.jit(do_not_specialize=["Nt", "BHV", "B", "D", "n_state"])
-def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, ancestors, accepted,
-                  Nt, BHV, B, D, n_state,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
-                  BP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EAGER: tl.constexpr, X_DTYPE: tl.constexpr,
+@triton.jit(do_not_specialize=["s_path", "s_len", "P", "Nt", "BHV", "B", "D", "n_state"])
+def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, path, length,
+                  s_path, s_len, P, Nt, BHV, B, D, n_state,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BP: tl.constexpr,
+                  LONG: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, X_DTYPE: tl.constexpr,
                   W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, ALIGN: tl.constexpr):
     # the grid holds the state tiles, then the (short) window blocks (session 12 measured the window blocks first in
     # the grid, and programs looping over several state tiles with the next one's load issued first: both slower)
     pid = tl.program_id(0)
     if pid < n_state:
-        _, _, _, _, _, _, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV, ALIGN)
-        _commit_state_tile(pid, tl.load(p_sk, mask=m_sk, other=0.), state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs,
-                           ancestors, accepted, Nt, BHV, H, HV, K, V, BN, BP, BK, BV, EAGER, ALIGN)
+        _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, path, length, s_path, s_len, P, Nt, BHV,
+                           H, HV, K, V, BP, LONG, BK, BV, ALIGN)
     else:
-        _commit_window_block(pid - n_state, x_ptrs, window_ptrs, ancestors, accepted, Nt, B, D,
-                             X_DTYPE, W_DTYPE, W, BW, BN, BD, ALIGN)
+        _commit_window_block(pid - n_state, x_ptrs, window_ptrs, path, length, s_path, s_len, Nt, B, D,
+                             X_DTYPE, W_DTYPE, W, BW, BD, ALIGN)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
@@ -220,53 +195,55 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
         raise ValueError(f"{what} must be {dtype}, got {t0.dtype}")
 
 
-def commit_tile(n: int) -> dict[str, int]:
-    """A program's ``[BV, BK]`` state tile, path nodes per dot ``BP``, warps, and ``ALIGN`` (1: no 128-bit accesses,
-    where that measured faster) for a tree of ``n`` nodes: the fastest of the sweep in benchmarks/bench_kernels.py
-    (H200, 1.3B shape, 21 layers, the deepest path of a deep tree; sessions 17-18, with the alignment hint of session
-    16): [64, 64] tiles with one masked dot over the tree up to 16 nodes (47.0 / 48.7 / 48.8 / 50.3 us at 1 / 4 / 8
-    / 16 nodes; ``EAGER``, every node's factors requested with the state tile, loses at 16 nodes, 56.1 us); from 17
-    to 64 nodes [64, 128] tiles with the path gathered 16 nodes per dot and no 128-bit accesses (session 18: 53.0 /
-    55.0 us at 32 / 64 nodes, against 58.3 / 65.1 for [64, 64] tiles so gathered, 75.1 / 79.6 with 128-bit accesses
-    and 66.9 / 75.9 with 32 nodes per dot; the same order on a drafted tree's deepest path). With 128-bit accesses
-    [64, 128] tiles lose and [64, 64] ones win (56.8 against 50.4 at 16 nodes without them); the cause is not
-    diagnosed. 8 warps lost at every size; above 64 nodes the shape is untimed since the hint (187 us at 128,
-    session 8). Measured and removed: a loop over the path with a data-dependent trip count (94-406 us, session 7);
-    the window blocks first in the grid and 2-3 programs per SM looping over the state tiles (session 12); 1-2 warps
-    and whole state rows (session 15). ``EAGER`` reads off-path nodes' factors too, weighted 0: they must be finite,
-    as the verify pass's outputs are."""
-    if n <= 16:   # the whole (padded) tree in one dot
-        return dict(BV=64, BK=64, BP=16, EAGER=0, num_warps=4)
-    if n <= 64:
-        return dict(BV=64, BK=128, BP=16, EAGER=0, ALIGN=1, num_warps=4)
-    return dict(BV=64, BK=64, BP=128, EAGER=0, num_warps=4)
+def commit_tile(p: int) -> dict[str, int]:
+    """A program's ``[BV, BK]`` state tile, path nodes per chunk ``BP``, warps, and ``ALIGN`` (1: no 128-bit
+    accesses) for a path of up to ``p`` nodes. Before session 25 the tile followed the tree's size (the fastest of
+    sessions 17-18's sweeps: [64, 64] up to 16 nodes, [64, 128] without 128-bit accesses above, since at [64, 64]
+    gathering the path from the ancestor row cost registers and time that grew with the tree). Measured and removed
+    earlier: a loop over the path with a data-dependent trip count (94-406 us, session 7); the window blocks first in
+    the grid and 2-3 programs per SM looping over the state tiles (session 12); 1-2 warps and whole state rows
+    (session 15); 8 warps (every size); every node's factors requested with the state tile before the path is known
+    (``EAGER``, sessions 12-24: lost from session 16's hint on)."""
+    return dict(BV=64, BK=64, BP=16, num_warps=4)
 
 
-def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
+def root_path(ancestors: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's root-to-``accepted`` path as the commit takes it, from the tree's ancestor mask ``[B, Nt, Nt]``
+    and ``accepted [B]`` (-1: none): the nodes ``[B, Nt]``, root first (the path's nodes in node order: parents precede
+    children; then the other nodes, never read), and their count ``[B]`` (0 where ``accepted == -1``). For callers
+    that know only the accepted node: the acceptance step has the path already (``decoding.greedy_accept``)."""
+    B, N = ancestors.shape[:2]
+    row = ancestors.gather(1, accepted.clamp(min=0).view(B, 1, 1).expand(B, 1, N))[:, 0].bool()
+    row &= (accepted >= 0)[:, None]
+    return torch.argsort((~row).to(torch.int32), dim=1, stable=True), row.sum(1)
+
+
+def commit_(path: torch.Tensor, length: torch.Tensor, *,
             states: tuple[list[torch.Tensor], ...] | None = None,
             windows: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-            ancestors: torch.Tensor | None = None, tile: dict[str, int] | None = None) -> None:
-    """In-place ``commit_state_ref`` and ``commit_window_ref`` of every layer, one launch, for one tree ``parents
-    [B,Nt]`` (``ancestors``: its ``tree_ancestors`` when the caller has it) and ``accepted [B]`` (-1: untouched).
-    ``states = (states, k_hats, us, gs)``: per layer ``state [B,HV,V,K]`` fp32 and the factors of the ``Nt`` verified
-    nodes (``k_hat [B,Nt,H,K]``, ``u [B,Nt,HV,V]``, ``g [B,Nt,HV]``, fp32); ``windows = (xs, windows)``: per layer
-    ``x [B,Nt,D]`` raw inputs and ``window [B,D,W]`` (newest last). Each list contiguous and of one shape across
-    layers; either part may be ``None``. ``tile`` overrides ``commit_tile``'s entries, and ``ALIGN=1`` drops the
-    128-bit accesses that 16-byte-aligned tensors get (benchmarks: the unhinted kernel)."""
-    B, Nt = parents.shape
-    if not 1 <= Nt <= 128:
-        raise ValueError(f"one tree chunk holds 1..128 nodes, got {Nt}")
-    if ancestors is None:
-        ancestors = tree_ancestors(parents)
-    tile = {**commit_tile(Nt), **(tile or {})}
-    BN = max(16, triton.next_power_of_2(Nt))
+            tile: dict[str, int] | None = None) -> None:
+    """In-place ``commit_state_ref`` and ``commit_window_ref`` of every layer, one launch: sequence ``b`` keeps the
+    path of its first ``length[b]`` entries of ``path [B, P]`` (node numbers, root first; ``length`` 0: untouched;
+    either may be a strided view, ``path``'s rows contiguous). ``states = (states, k_hats, us, gs)``: per layer
+    ``state [B,HV,V,K]`` fp32 and the factors of the ``Nt`` verified nodes (``k_hat [B,Nt,H,K]``, ``u [B,Nt,HV,V]``,
+    ``g [B,Nt,HV]``, fp32); ``windows = (xs, windows)``: per layer ``x [B,Nt,D]`` raw inputs and ``window [B,D,W]``
+    (newest last). Each list contiguous and of one shape across layers; either part may be ``None``. ``tile``
+    overrides ``commit_tile``'s entries, and ``ALIGN=1`` drops the 128-bit accesses that 16-byte-aligned tensors get
+    (benchmarks: the unhinted kernel)."""
+    B, P = path.shape
+    if path.stride(1) != 1:
+        path = path.contiguous()
+    if length.shape != (B,):
+        raise ValueError(f"the path's length must be one count per sequence [{B}], got {tuple(length.shape)}")
+    tile = {**commit_tile(P), **(tile or {})}
+    BP = tile["BP"]
     tables, n_state, n_window = [], 0, 0
     shape = dict(H=1, HV=1, K=16, V=16, BK=16, BV=16, X_DTYPE=tl.float32, W_DTYPE=tl.float32, W=1, BW=1, BD=16)
     if states is not None:
         for ts, what in zip(states, ("state", "k_hat", "u", "g")):
             _same(ts, what, torch.float32)
         _, HV, V, K = states[0][0].shape
-        H = states[1][0].shape[2]
+        Nt, H = states[1][0].shape[1:3]
         BV, BK = min(tile["BV"], triton.next_power_of_2(V)), max(16, min(tile["BK"], triton.next_power_of_2(K)))
         n_state = len(states[0]) * B * HV * triton.cdiv(V, BV) * triton.cdiv(K, BK)
         shape.update(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
@@ -277,6 +254,7 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         xs, ws = windows
         _same(xs, "x")
         _same(ws, "window")
+        Nt = xs[0].shape[1]
         D, W = ws[0].shape[1:]
         BD = min(256, triton.next_power_of_2(D))
         n_window = len(ws) * B * triton.cdiv(D, BD)
@@ -288,7 +266,6 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         tables += tables[:2]                                  # never read: no window programs
     align = min(tile.get("ALIGN", 16), *(a for _, a in tables))   # 16: 128-bit state and factor accesses
     commit_kernel[(n_state + n_window,)](
-        *(t for t, _ in tables), ancestors.contiguous(), accepted.contiguous(), Nt, B * shape["HV"], B, D, n_state,
-        BN=BN, BP=min(tile.get("BP") or BN, BN), EAGER=bool(tile.get("EAGER")) and (tile.get("BP") or BN) >= BN,
-        ALIGN=align, **shape, num_warps=tile["num_warps"],
+        *(t for t, _ in tables), path, length, path.stride(0), length.stride(0), P, Nt, B * shape["HV"], B, D,
+        n_state, BP=BP, LONG=P > BP, ALIGN=align, **shape, num_warps=tile["num_warps"],
     )

@@ -84,15 +84,19 @@ def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
 def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
             states: tuple[list[torch.Tensor], ...] | None = None,
             windows: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-            ancestors: torch.Tensor | None = None) -> None:
+            ancestors: torch.Tensor | None = None,
+            path: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Keep the root-to-``accepted`` path in place, every layer at once: ``states = (states, k_hats, us, gs)`` (see
     ``commit_state_ref``) and ``windows = (xs, windows)`` (see ``commit_window_ref``); one launch on the Triton path
-    for up to 128 verified nodes, the reference layer by layer otherwise."""
+    for up to 128 verified nodes, the reference layer by layer otherwise. ``path = (nodes [B, P], length [B])``: that
+    path, root first, when the caller has it (the Triton kernel reads it; without it, it is read off ``ancestors``,
+    a few small kernels more)."""
     some = states[0][0] if states is not None else windows[1][0]
     if use_triton(some) and parents.shape[1] <= MAX_NODES:
+        if path is None:
+            path = _commit.root_path(tree_ancestors(parents) if ancestors is None else ancestors, accepted)
         contiguous = lambda ts: [t.contiguous() for t in ts]          # noqa: E731  (no-op for the cache's factors)
-        _commit.commit_(parents, accepted, ancestors=ancestors,
-                        states=None if states is None else (states[0], *map(contiguous, states[1:])),
+        _commit.commit_(*path, states=None if states is None else (states[0], *map(contiguous, states[1:])),
                         windows=None if windows is None else (contiguous(windows[0]), windows[1]))
         return
     for state, k_hat, u, g in zip(*states) if states is not None else ():
