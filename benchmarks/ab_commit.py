@@ -9,8 +9,9 @@ for the factors, and commits the tree's deepest path, every layer's state and co
 - ``base``: the other version as it is called (session 24's takes the accepted node and the ancestor mask);
 - ``loop``: the working tree's kernel with the path as the device loop's acceptance step hands it over
   (``greedy_accept``: a buffer as long as the tree is deep, padded with the accepted node);
-- ``host``: the same with the path in a buffer as long as the tree (the host loop's commit graph);
-- each of ``--tiles`` (``commit_tile`` overrides) with the ``loop`` path.
+- ``host``: the same with the path in the host loop's commit graph's buffer (one chunk of nodes where the path
+  fits one, else as long as the tree);
+- each of ``--tiles`` (``commit_tile`` overrides) with either path.
 Each setup's states and windows are checked on layer 0 against the torch reference, then every setup is timed as one
 CUDA graph (L2 flushed before each replay) in alternating rounds, so that drift hits every setup alike; the median of
 the rounds is reported. With ``$OUT`` set the rows go to ``$OUT/ab_commit.json``.
@@ -33,13 +34,13 @@ from specla_kernels import commit  # noqa: E402
 from specla_kernels import reference as ref  # noqa: E402
 from specla_kernels.tree_delta import tree_ancestors, tree_gated_delta_rule  # noqa: E402
 
-CASES = [("drafted", n) for n in (1, 4, 16, 32, 64, 128)] + [("deep", n) for n in (16, 64)]
+CASES = [("drafted", n) for n in (1, 4, 16, 32, 64, 128)] + [("deep", n) for n in (16, 64, 128)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", type=Path, required=True, help="the other version's commit.py")
-    ap.add_argument("--tiles", default="[]", help="JSON list of commit_tile overrides to add (loop path)")
+    ap.add_argument("--tiles", default="[]", help="JSON list of commit_tile overrides to add (both paths)")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     base = load_module(args.base)
@@ -61,7 +62,8 @@ def main() -> None:
                 ref.commit_window_ref(L0["x"], L0["window"], parents, accepted))
         nodes, length = commit.root_path(anc, accepted)
         loop = (nodes[:, :path_len], length)                # the deepest path fills the device loop's buffer
-        host = (torch.where(torch.arange(n, device="cuda") < path_len, nodes, accepted), length)
+        wide = n if path_len > commit.PATH_CHUNK else min(n, commit.PATH_CHUNK)
+        host = (torch.where(torch.arange(wide, device="cuda") < path_len, nodes[:, :wide], accepted), length)
 
         def parts(ls):
             return dict(states=tuple([L[name] for L in ls] for name in ("state", "k_hat", "u", "g")),
@@ -69,7 +71,8 @@ def main() -> None:
         setups = [("base", lambda ls: base.commit_(parents, accepted, ancestors=anc, **parts(ls))),
                   ("loop", lambda ls: commit.commit_(*loop, **parts(ls))),
                   ("host", lambda ls: commit.commit_(*host, **parts(ls)))] + [
-            (f"loop {t}", lambda ls, t=t: commit.commit_(*loop, tile=t, **parts(ls))) for t in tiles]
+            (f"{name} {t}", lambda ls, t=t, p=p: commit.commit_(*p, tile=t, **parts(ls)))
+            for t in tiles for name, p in (("loop", loop), ("host", host))]
         runs = []
         for name, fn in setups:
             saved = (L0["state"].clone(), L0["window"].clone())

@@ -17,8 +17,8 @@ own state and inputs, 63 MiB of states in all):
   verify pass does;
 - ``commit``: ``commit_`` of the tree's deepest path, every layer's state and window in one launch, the path handed
   over as the device loop's acceptance step hands it (a buffer as long as the tree is deep); ``commit_host``: the
-  same with the path in a buffer as long as the tree (the host loop's commit graph); ``commit_sweep``: ``commit`` at
-  other state tile shapes.
+  same with the path in the host loop's commit graph's buffer; ``commit_sweep``: ``commit`` at other state tile
+  shapes.
 and it reports bytes moved against the measured device-to-device copy bandwidth, and factor vs snapshot memory.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import triton
 
 from specla_kernels import reference as ref
-from specla_kernels.commit import commit_, root_path
+from specla_kernels.commit import PATH_CHUNK, commit_, root_path
 from specla_kernels.ops import commit_state_
 from specla_kernels.tree_conv import tree_conv
 from specla_kernels.tree_delta import SWEEPS, tree_ancestors, tree_config, tree_gated_delta_rule
@@ -305,11 +305,13 @@ def main() -> None:
             factors.append((kh, uu))
 
         # the accepted path as the device loop hands it over (greedy_accept: a buffer as long as the tree is deep,
-        # padded with the accepted node), and as the host loop's commit graph holds it (as long as the tree)
+        # padded with the accepted node), and as the host loop's commit graph holds it (one chunk of nodes where the
+        # path fits one, else as long as the tree)
         nodes, length = root_path(tree_ancestors(parents), accepted)
         loop_path = torch.cat([nodes[:, :path_len], accepted.repeat(1, int(depth.max()) + 1 - path_len)], 1)
+        wide = n if path_len > PATH_CHUNK else min(n, PATH_CHUNK)
         paths = dict(commit=(loop_path, length), commit_host=(torch.where(
-            torch.arange(n, device=dev) < path_len, nodes, accepted), length))
+            torch.arange(wide, device=dev) < path_len, nodes[:, :wide], accepted), length))
 
         def commit(ls, tile=None, path="commit"):   # every layer's state and window in one launch, as the cache commits
             fs = factors[:len(ls)]

@@ -105,8 +105,8 @@ class _Graph:
     prefix: tuple | None            # static copies of the pending parents and factors the call extends
     out: object                     # RunnerOutput of the captured call
     pending: tuple | None           # (cache.parents, cache.ancestors, [(k_hat, u, g, x) per layer]) after the call
-    commit: object = None           # a tree call's commit graph (captured on first commit), and the path it commits
-    path: torch.Tensor | None = None
+    commit: dict | None = None      # a tree call's commit graphs (captured on first use) by path length > one chunk
+    path: torch.Tensor | None = None    # and the path they commit
 
 
 class GraphedForward:
@@ -170,22 +170,28 @@ class GraphedForward:
         g = self.last_tree
         if g is None or cache.parents is not g.pending[0]:
             return False
-        if g.commit is None:
-            from specla_kernels import ops
-            parents, ancestors, _ = g.pending
+        from specla_kernels import commit as commit_kernels, ops
+        parents, ancestors, _ = g.pending
+        # two graphs: one for paths of up to one chunk of nodes, whose kernel has no loop over further chunks (fewer
+        # registers: 49.4 against 51.8 us for 21 layers, session 25), and one for longer paths
+        long = len(path) > commit_kernels.PATH_CHUNK
+        if g.path is None:
             # the accepted node, the path's length, then its nodes: what the host writes before each replay, one copy
-            g.path = torch.zeros(1, 2 + parents.shape[1], dtype=torch.long, device=parents.device)
+            g.path, g.commit = torch.zeros(1, 2 + parents.shape[1], dtype=torch.long, device=parents.device), {}
+        if long not in g.commit:
             operands = cache.commit_operands()          # the cache holds this graph's outputs as its pending nodes
+            nodes = g.path[:, 2:] if long else g.path[:, 2:2 + commit_kernels.PATH_CHUNK]
 
             def commit_all():
-                ops.commit_(parents, g.path[0, :1], ancestors=ancestors, path=(g.path[:, 2:], g.path[:, 1]),
-                            **operands)
+                ops.commit_(parents, g.path[0, :1], ancestors=ancestors, path=(nodes, g.path[:, 1]), **operands)
             # captured with a path of length 0: the warm-up run inside `capture` then commits nothing
-            g.commit = capture_or_warn(commit_all, "the commit", "committing eagerly", self.emulate) or False
-        if g.commit is False:
+            g.path[0, 1] = 0
+            g.commit[long] = capture_or_warn(commit_all, "the commit", "committing eagerly", self.emulate)
+        graph = g.commit[long]
+        if graph is None:
             return False
         g.path[0, :2 + len(path)].copy_(torch.tensor([path[-1], len(path), *path]))
-        g.commit.replay()
+        graph.replay()
         cache.discard()
         cache.seq_length += len(path)
         return True

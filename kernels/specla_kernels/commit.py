@@ -195,6 +195,9 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
         raise ValueError(f"{what} must be {dtype}, got {t0.dtype}")
 
 
+PATH_CHUNK = 16     # path nodes per chunk (commit_tile's BP): a path buffer no longer compiles without the loop
+
+
 def commit_tile(p: int) -> dict[str, int]:
     """A program's ``[BV, BK]`` state tile, path nodes per chunk ``BP``, warps, and ``ALIGN`` (1: no 128-bit
     accesses) for a path of up to ``p`` nodes. Before session 25 the tile followed the tree's size (the fastest of
@@ -204,7 +207,7 @@ def commit_tile(p: int) -> dict[str, int]:
     the grid and 2-3 programs per SM looping over the state tiles (session 12); 1-2 warps and whole state rows
     (session 15); 8 warps (every size); every node's factors requested with the state tile before the path is known
     (``EAGER``, sessions 12-24: lost from session 16's hint on)."""
-    return dict(BV=64, BK=64, BP=16, num_warps=4)
+    return dict(BV=64, BK=64, BP=PATH_CHUNK, num_warps=4)
 
 
 def root_path(ancestors: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

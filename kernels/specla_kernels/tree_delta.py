@@ -68,11 +68,22 @@ def ancestors_kernel(parents, anc, N, n_sq, BN: tl.constexpr):
              mask=m_n[:, None] & m_n[None, :])
 
 
+_LONE: dict[tuple[torch.device, int], torch.Tensor] = {}     # [B, 1, 1] True: the mask of B one-node trees
+
+
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """Triton twin of ``tree_ancestors`` (reference): ``anc [B, N, N]`` bool, one program per sequence."""
+    """Triton twin of ``tree_ancestors`` (reference): ``anc [B, N, N]`` bool, one program per sequence. One node is
+    its own only ancestor (its parent can only be the committed state): its mask is a kept constant, no launch (the
+    launch made a one-token verify 1.05x fla's one-token recurrence over 21 layers, session 24). Callers only read
+    the mask. Under CUDA-graph capture a constant not yet made is not made there (a graph's fill runs at replay)."""
     B, N = parents.shape
     if not 1 <= N <= 128:
         raise ValueError(f"one tree chunk holds 1..128 nodes, got {N}")
+    key = (parents.device, B)
+    if N == 1 and (key in _LONE or not (parents.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if key not in _LONE:
+            _LONE[key] = torch.ones(B, 1, 1, dtype=torch.bool, device=parents.device)
+        return _LONE[key]
     anc = torch.empty(B, N, N, dtype=torch.bool, device=parents.device)
     BN = max(16, triton.next_power_of_2(N))
     ancestors_kernel[(B,)](parents.contiguous(), anc, N, (N - 1).bit_length(), BN=BN, num_warps=4 if BN <= 32 else 8)
