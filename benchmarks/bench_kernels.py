@@ -60,7 +60,8 @@ _SWEEPS_EXTRA = {16: [{}, dict(BV=32)], 32: [{}, dict(BV=16)]}
 for _bn in SWEEP:
     SWEEP[_bn] += [dict(SWEEP_MAX=0)] if _bn in SWEEPS else [dict(SWEEP_MAX=16, **e) for e in _SWEEPS_EXTRA[_bn]]
 # up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
-SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w) for bv, w in ((8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
+SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w)
+               for bv, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
 # state tiles [BV, BK] of one commit program (and path nodes per dot, BP). Also measured, at 16 / 1 nodes (session 15,
 # bench_kernels_2026-12-01_s15call1_commit_warps): 2 warps [64, 64] 57.1 / 56.6 us, [32, 64] 55.5 / 51.9; 1 warp
 # [64, 64] 59.1 / 56.9; whole state rows [16, 256] 68.9 (2 warps) and 61.7 (4), [32, 256] 62.0 (4), [32, 128] 65.9 (2);

@@ -195,19 +195,23 @@ def _same(tensors: list[torch.Tensor], what: str, dtype: torch.dtype | None = No
         raise ValueError(f"{what} must be {dtype}, got {t0.dtype}")
 
 
-PATH_CHUNK = 16     # path nodes per chunk (commit_tile's BP): a path buffer no longer compiles without the loop
+PATH_CHUNK = 16     # path nodes per chunk (commit_tile's BP up to 16 and above 32 nodes): a buffer no longer
+                    # than one chunk compiles without the loop over further chunks
 
 
 def commit_tile(p: int) -> dict[str, int]:
     """A program's ``[BV, BK]`` state tile, path nodes per chunk ``BP``, warps, and ``ALIGN`` (1: no 128-bit
-    accesses) for a path of up to ``p`` nodes. Before session 25 the tile followed the tree's size (the fastest of
-    sessions 17-18's sweeps: [64, 64] up to 16 nodes, [64, 128] without 128-bit accesses above, since at [64, 64]
-    gathering the path from the ancestor row cost registers and time that grew with the tree). Measured and removed
-    earlier: a loop over the path with a data-dependent trip count (94-406 us, session 7); the window blocks first in
-    the grid and 2-3 programs per SM looping over the state tiles (session 12); 1-2 warps and whole state rows
-    (session 15); 8 warps (every size); every node's factors requested with the state tile before the path is known
-    (``EAGER``, sessions 12-24: lost from session 16's hint on)."""
-    return dict(BV=64, BK=64, BP=PATH_CHUNK, num_warps=4)
+    accesses) for a path buffer of ``p`` nodes. Session 25 (``benchmarks/ab_commit.py``, H200, 21 layers): [64, 64]
+    tiles with 16-node chunks, 46.5 / 46.9 / 49.4-49.8 us for paths of 1 / 2 / 9 nodes (trees of 1 / 4 / 16-128
+    nodes), against 59-62 with 32-node chunks, 49.5-50.1 with [32, 64] tiles and 60-64 with [64, 128] or [128, 64]
+    ones or 8 warps; a path of 19-23 nodes in one 32-node chunk 62.4-63.0 against 69.0-69.5 in two of 16, while a
+    longer buffer (the loop over chunks) takes 69-70 either way. Before session 25 the tile followed the tree's size
+    ([64, 128] above 16 nodes), since gathering the path from the ancestor row cost registers and time that grew with
+    the tree. Measured and removed earlier: a loop over the path with a data-dependent trip count (94-406 us, session
+    7, before the first chunk was peeled off); the window blocks first in the grid and 2-3 programs per SM looping
+    over the state tiles (session 12); 1-2 warps and whole state rows (session 15); every node's factors requested
+    with the state tile before the path is known (``EAGER``, sessions 12-24: lost from session 16's hint on)."""
+    return dict(BV=64, BK=64, BP=2 * PATH_CHUNK if PATH_CHUNK < p <= 2 * PATH_CHUNK else PATH_CHUNK, num_warps=4)
 
 
 def root_path(ancestors: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
