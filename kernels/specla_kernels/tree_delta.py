@@ -469,9 +469,10 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
     if small if small is not None else n <= SMALL_MAX:
         if n > 8:
             raise ValueError(f"the node-by-node kernel unrolls its loop over the nodes: at most 8, got {n}")
-        # one warp on an 8-wide V slice: the fastest of the sweep at every node count (more programs, each a short
-        # chain; 16-32 wide slices or more warps took 1.1-2.5x as long)
-        return dict(SMALL=True, BN=triton.next_power_of_2(n), BV=8, num_warps=1)
+        # one warp on an 8-wide V slice: the fastest of session 11's sweep at every node count (more programs, each
+        # a short chain; 16-32 wide slices or more warps took 1.1-2.5x as long); a 4-wide slice for one node
+        # (session 25, 21 layers: 85.0 against 90.0 us, fla's one-token recurrence 86.9 in the same run)
+        return dict(SMALL=True, BN=triton.next_power_of_2(n), BV=4 if n == 1 else 8, num_warps=1)
     BN = max(16, triton.next_power_of_2(n))
     BK = 64
     stages = 3                        # Triton's default software pipelining of the K loop
