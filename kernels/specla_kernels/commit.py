@@ -90,6 +90,7 @@ def _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, path, length
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BP: tl.constexpr, LONG: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        ALIGN: tl.constexpr):
+    """Commit state tile ``pid``: load it, apply the path's chunks, store it (untouched where the length is 0)."""
     i_l, i_b, i_hv, i_h, o_v, o_k, m_sk, p_sk = _tile(pid, state_ptrs, BHV, H, HV, K, V, BK, BV, ALIGN)
     b_s = tl.load(p_sk, mask=m_sk, other=0.)
     slot = tl.arange(0, BP)
