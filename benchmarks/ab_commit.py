@@ -7,10 +7,8 @@ For each case (drafted trees as the default drafter submits them, and deep ones:
 builds 21 layers of 1.3B-shape inputs (``bench_kernels.layer_inputs``), verifies them with the working tree's kernel
 for the factors, and commits the tree's deepest path, every layer's state and conv window in one launch:
 - ``base``: the other version as it is called (session 24's takes the accepted node and the ancestor mask);
-- ``loop``: the working tree's kernel with the path as the device loop's acceptance step hands it over
-  (``greedy_accept``: a buffer as long as the tree is deep, padded with the accepted node);
-- ``host``: the same with the path in the host loop's commit graph's buffer (one chunk of nodes where the path
-  fits one, else as long as the tree);
+- ``loop``: the working tree's kernel with the path as the device loop's acceptance step hands it over, ``host``
+  as the host loop's commit graphs hold it (``bench_kernels.handed_paths``);
 - each of ``--tiles`` (``commit_tile`` overrides) with either path.
 Each setup's states and windows are checked on layer 0 against the torch reference, then every setup is timed as one
 CUDA graph (L2 flushed before each replay) in alternating rounds, so that drift hits every setup alike; the median of
@@ -28,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_tree_verify import load_module  # noqa: E402
-from bench_kernels import LAYERS, bench_graph, deep_tree, drafted_tree, layer_inputs, rel  # noqa: E402
+from bench_kernels import (LAYERS, bench_graph, deep_tree, drafted_tree, handed_paths, layer_inputs,  # noqa: E402
+                           rel)
 
 from specla_kernels import commit  # noqa: E402
 from specla_kernels import reference as ref  # noqa: E402
@@ -60,10 +59,7 @@ def main() -> None:
         L0 = layers[0]
         want = (ref.commit_state_ref(L0["state"], L0["k_hat"], L0["u"], L0["g"], parents, accepted),
                 ref.commit_window_ref(L0["x"], L0["window"], parents, accepted))
-        nodes, length = commit.root_path(anc, accepted)
-        loop = (nodes[:, :path_len], length)                # the deepest path fills the device loop's buffer
-        wide = n if path_len > commit.PATH_CHUNK else min(n, commit.PATH_CHUNK)
-        host = (torch.where(torch.arange(wide, device="cuda") < path_len, nodes[:, :wide], accepted), length)
+        loop, host = handed_paths(anc, accepted).values()
 
         def parts(ls):
             return dict(states=tuple([L[name] for L in ls] for name in ("state", "k_hat", "u", "g")),

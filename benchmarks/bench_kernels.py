@@ -169,6 +169,21 @@ def layer_inputs(n: int, gen: torch.Generator, dev: str) -> dict:
                 state=rnd(B, HV, V, K) * 0.5, x=rnd(B, n, CONV_D).to(DTYPE), window=rnd(B, CONV_D, CONV_W).to(DTYPE))
 
 
+def handed_paths(ancestors: torch.Tensor, accepted: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The accepted node's path (one sequence) as ``commit_`` is handed it: ``loop`` as the device loop's acceptance
+    step hands it over (``greedy_accept``: a buffer as long as the tree is deep, padded with the accepted node),
+    ``host`` as the host loop's commit graphs hold it (``GraphedForward.commit``: a buffer of one chunk of nodes where
+    the path fits one, else as long as the tree)."""
+    nodes, length = root_path(ancestors, accepted)
+    n, path_len = nodes.shape[1], int(length[0])
+
+    def buffer(width: int) -> torch.Tensor:
+        return torch.where(torch.arange(width, device=nodes.device) < path_len, nodes[:, :width], accepted)
+    depth = int(ref.tree_depth(ancestors).max()) + 1
+    return dict(loop=(buffer(depth), length),
+                host=(buffer(n if path_len > PATH_CHUNK else min(n, PATH_CHUNK)), length))
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -305,16 +320,9 @@ def main() -> None:
             _, kh, uu = tree_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], parents, L["state"])
             factors.append((kh, uu))
 
-        # the accepted path as the device loop hands it over (greedy_accept: a buffer as long as the tree is deep,
-        # padded with the accepted node), and as the host loop's commit graph holds it (one chunk of nodes where the
-        # path fits one, else as long as the tree)
-        nodes, length = root_path(tree_ancestors(parents), accepted)
-        loop_path = torch.cat([nodes[:, :path_len], accepted.repeat(1, int(depth.max()) + 1 - path_len)], 1)
-        wide = n if path_len > PATH_CHUNK else min(n, PATH_CHUNK)
-        paths = dict(commit=(loop_path, length), commit_host=(torch.where(
-            torch.arange(wide, device=dev) < path_len, nodes[:, :wide], accepted), length))
+        paths = handed_paths(tree_ancestors(parents), accepted)
 
-        def commit(ls, tile=None, path="commit"):   # every layer's state and window in one launch, as the cache commits
+        def commit(ls, tile=None, path="loop"):   # every layer's state and window in one launch, as the cache commits
             fs = factors[:len(ls)]
             return lambda: commit_(*paths[path], tile=tile,
                                    states=([L["state"] for L in ls], [kh for kh, _ in fs], [uu for _, uu in fs],
@@ -328,7 +336,7 @@ def main() -> None:
         row = dict(N=n, path_len=path_len, checks=checks, ok=ok, config=tree_config(n, V, DTYPE), sweep=sweep,
                    best=best["config"] if best else None)
         for name, make in [("tree", tree), ("fla_chain", fla_chain), ("snapshot", snapshot), ("commit", commit),
-                           ("commit_host", functools.partial(commit, path="commit_host")), ("conv", conv)]:
+                           ("commit_host", functools.partial(commit, path="host")), ("conv", conv)]:
             if name == "snapshot" and args.no_snapshot or args.commit_only and not name.startswith("commit"):
                 continue
             row[f"{name}_1_ms"] = bench_graph(make(layers[:1]))
@@ -337,7 +345,7 @@ def main() -> None:
         for t in COMMIT_SWEEP:
             s_t = state0.clone()                  # each tile shape checked on layer 0, then timed on all layers
             try:
-                commit_(*paths["commit"], tile=t, states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
+                commit_(*paths["loop"], tile=t, states=([s_t], [factors[0][0]], [factors[0][1]], [L0["g"]]))
             except triton.runtime.errors.OutOfResources as e:       # e.g. [64, 256] at 128 nodes: shared memory
                 row["commit_sweep"].append(dict(tile=t, error=str(e)))
                 continue

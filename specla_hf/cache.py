@@ -116,8 +116,8 @@ class SpecLACache(Cache):
                path: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Keep the root-to-``accepted`` path of the pending nodes (index per sequence; -1 keeps none).
         ``path_length``, the number of nodes on that path when the caller knows it, saves a device round trip;
-        ``path = (nodes [B, P], length [B])``, that path on the device when the caller has it (``ops.commit_``), a
-        few small kernels."""
+        ``path = (nodes [B, P], length [B])``, that path on the device when the caller has it, saves reading it off
+        the ancestor mask (``ops.commit_``: a few small kernels)."""
         B = self.parents.shape[0]
         if isinstance(accepted, int):
             accepted = torch.full((B,), accepted, dtype=torch.long, device=self.parents.device)
