@@ -21,9 +21,9 @@ import torch
 
 import specla_hf
 from specla_hf.autoregressive import autoregressive_decode
-from specla_hf.defaults import load_models
+from specla_hf.app.loading import load_models
 from specla_hf.gdn import GDNRunner
-from specla_hf.inflate import inflate_pair
+from specla_hf.training.inflate import inflate_pair
 from specla_kernels import gemv
 
 METHODS = {   # name -> generate() keywords (None: our CUDA-graph AR; "hf": stock generate)

@@ -29,9 +29,9 @@ import torch
 
 import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf import decoding
-from specla_hf.defaults import load_models
+from specla_hf.app.loading import load_models
 from specla_hf.eagle import EagleDrafter
-from specla_hf.inflate import inflate_pair
+from specla_hf.training.inflate import inflate_pair
 
 SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0]),
         "humaneval": ("humaneval.jsonl", lambda r: r["prompt"]),

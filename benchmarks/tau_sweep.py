@@ -19,8 +19,8 @@ import torch
 from tqdm import tqdm
 
 from specla_hf.cuda_graphs import tree_bucket
-from specla_hf.defaults import load_models
-from specla_hf.prompts import load_prompts
+from specla_hf.app.loading import load_models
+from specla_hf.app.prompts import load_prompts
 
 EVAL_FILES = ("mt_bench.jsonl", "humaneval.jsonl", "alpaca_eval_80.jsonl")
 

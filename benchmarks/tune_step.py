@@ -27,9 +27,9 @@ import triton
 
 import specla_hf  # noqa: F401
 from specla_hf.cuda_graphs import capture
-from specla_hf.defaults import load_models
+from specla_hf.app.loading import load_models
 from specla_hf.gdn import GDNRunner
-from specla_hf.inflate import inflate_pair
+from specla_hf.training.inflate import inflate_pair
 from specla_kernels import gemv
 
 NAMES = {(gemv.NORM.value, gemv.CONV.value): "in_proj", (gemv.GATED_NORM.value, gemv.NO_EPILOGUE.value): "o_proj",

@@ -15,7 +15,7 @@ mass under ``p_d`` (λ = 0 gives ``p_d`` itself). The tree is then grown exactly
 the ``topk`` best frontier nodes by cumulative ``q`` expanded per depth, the global top ``budget`` submitted, pruned
 by confidence). The target verifies the tree as any other, so decoding stays lossless whatever the drafts are.
 
-Training (``specla_hf.train_drafter --dart-slots``): the root positions are trained as EAGLE's first pass, and at
+Training (``specla_hf.training.train_drafter --dart-slots``): the root positions are trained as EAGLE's first pass, and at
 random branch points ``t`` the slots follow position ``t`` in a sequence-mode pass over ``0..t`` and the slots, each
 slot ``j`` against the target's distribution ``j`` positions further on.
 """

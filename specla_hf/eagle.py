@@ -11,7 +11,7 @@ Alignment: drafter position ``t`` consumes (target feature of position ``t``, to
 ``t+2``; the target's own logits at position ``t+1`` are its label. At decode time the pending token ``x_{L-1}`` (the
 tree root) sits at drafter position ``L-2``, whose feature ``f_{L-2}`` the target has computed; for deeper draft nodes
 the target's features are unknown and the drafter feeds its own output ``h`` in place of ``g`` (EAGLE), which it is
-trained for by a two-pass "training-time test" (``specla_hf.train_drafter``).
+trained for by a two-pass "training-time test" (``specla_hf.training.train_drafter``).
 
 Feature layers use ``GDNRunner``'s numbering: ``0`` = embeddings, ``i`` = after block ``i``. Hugging Face's
 ``output_hidden_states`` tuple agrees for ``i < L`` (its entry ``i`` is the input of block ``i``), but its last entry is

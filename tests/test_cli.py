@@ -12,8 +12,8 @@ import torch
 
 from conftest import tiny_gdn
 from tiny_checkpoints import greedy_text, save_tiny_checkpoints
-from specla_hf.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET, layer_skip_drafter
-from specla_hf.prompts import SHIPPED, load_prompts
+from specla_hf.app.loading import DEFAULT_DRAFTER, DEFAULT_TARGET, layer_skip_drafter
+from specla_hf.app.prompts import SHIPPED, load_prompts
 
 SHARED_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 STATS = re.compile(r"^specla: (\d+) tokens, SpecLA (tree|chain) [\d.]+ tok/s \(tau ([\d.]+) over (\d+) steps\), "
@@ -31,7 +31,7 @@ def specla(*args: str, env: dict | None = None, stdin: str | None = None) -> sub
 
 def specla_all(*calls: tuple) -> list[subprocess.CompletedProcess]:
     """Run several ``(args, env, stdin)`` invocations at once: each spends seconds importing torch/transformers/fla."""
-    procs = [subprocess.Popen([sys.executable, "-m", "specla_hf.cli", *args], stdin=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "specla_hf.app.cli", *args], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, **(env or {})}) for args, env, _ in calls]
     done = []

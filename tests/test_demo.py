@@ -31,7 +31,7 @@ def server(ckpts, tmp_path_factory):
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("demo") / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "specla_hf.cli", "demo", "--target", str(ckpts["target"]),
+        proc = subprocess.Popen([sys.executable, "-m", "specla_hf.app.cli", "demo", "--target", str(ckpts["target"]),
                                  "--drafter", str(ckpts["drafter"]), "--host", "127.0.0.1", "--port", str(port),
                                  "--max-new-tokens", "24", "--tree", "--confidence-threshold", "0"],
                                 stdout=out, stderr=subprocess.STDOUT,
@@ -105,7 +105,7 @@ def test_browser_fills_both_panes(server, ckpts, tmp_path):
 # in process: how the panes and the tree drawing read a run
 # ---------------------------------------------------------------------------------------------------------------
 def test_accepted_path_and_bonus_from_the_emitted_tokens():
-    from specla_hf.demo import accepted_path, tree_figure
+    from specla_hf.app.demo import accepted_path, tree_figure
     from specla_hf.drafting import DraftTree
     from tiny_checkpoints import char_tokenizer
 
@@ -121,8 +121,8 @@ def test_accepted_path_and_bonus_from_the_emitted_tokens():
 
 def test_segments_colour_drafts_and_the_targets_token():
     from specla_hf.decoding import SpecLAStats
-    from specla_hf.demo import BONUS, DRAFT, _segments
-    from specla_hf.runs import Run
+    from specla_hf.app.demo import BONUS, DRAFT, _segments
+    from specla_hf.app.runs import Run
     from tiny_checkpoints import char_tokenizer
 
     tok = char_tokenizer()

@@ -176,7 +176,7 @@ def shipped(request):
     """The embedded default target and a trained drafter of it (EAGLE, and the DART parallel drafter that inherits
     the device loop's catch-up): long accepted paths, as on real text. With it, the fewest drafts a step of the
     device-loop test's prompt must accept (DART accepts 2 where EAGLE accepts 3)."""
-    from specla_hf.defaults import checkpoint_home, load_models
+    from specla_hf.app.loading import checkpoint_home, load_models
     name, block = request.param
     return load_models(drafter=str(checkpoint_home() / name)), block
 

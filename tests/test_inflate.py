@@ -4,7 +4,7 @@ import torch
 from fla.models import GatedDeltaNetConfig
 
 from conftest import tiny_gdn
-from specla_hf.inflate import inflate_gdn
+from specla_hf.training.inflate import inflate_gdn
 
 
 def test_inflated_model_matches_small_model():
@@ -25,7 +25,7 @@ def test_inflated_model_matches_small_model():
 @pytest.mark.parametrize("kind", ["eagle", "dart"])
 def test_inflated_drafter_drafts_what_the_small_drafter_drafts(kind):
     from specla_hf import SpecLADartConfig, SpecLADartDrafter, SpecLADrafter, SpecLADrafterConfig
-    from specla_hf.inflate import inflate_pair
+    from specla_hf.training.inflate import inflate_pair
     from specla_hf.ngram import bigram_table
     small = tiny_gdn(seed=13, hidden=64, layers=3, heads=2, head_dim=16)
     torch.manual_seed(3)

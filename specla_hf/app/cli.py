@@ -5,7 +5,7 @@
     specla bench [--prompts FILE.jsonl]      plain vs SpecLA on a prompt set (default: a small set in the package)
     specla demo [--port 7860]                the Gradio demo (needs the [demo] extra)
 
-Without --target / --drafter the embedded default models run (see specla_hf.defaults), on the CPU.
+Without --target / --drafter the embedded default models run (see specla_hf.app.loading), on the CPU.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import sys
 import torch
 from transformers.utils import logging as hf_logging
 
-from specla_hf.defaults import DTYPES, LAYER_SKIP, ModelError, Models, load_models
-from specla_hf.prompts import load_prompts
-from specla_hf.runs import DecodeSettings, Run, encode, run_plain, run_specla, warm_up
+from specla_hf.app.loading import DTYPES, LAYER_SKIP, ModelError, Models, load_models
+from specla_hf.app.prompts import load_prompts
+from specla_hf.app.runs import DecodeSettings, Run, encode, run_plain, run_specla, warm_up
 
 
 class UsageError(Exception):
@@ -141,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     settings = _settings(args)
     try:
-        from specla_hf import demo
+        from specla_hf.app import demo
     except ImportError as e:
         raise UsageError(f"the demo needs the [demo] extra ({e.name} is missing): pip install 'specla-hf[demo]'") \
             from None

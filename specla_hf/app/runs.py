@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specla_hf.decoding import SpecLAStats
-from specla_hf.defaults import Models
+from specla_hf.app.loading import Models
 from specla_hf.drafting import DraftOptions, DraftTree
 from specla_hf.generation import draft_options, make_drafter
 

@@ -60,7 +60,7 @@ from specla_hf.generation import draft_options
 
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOKE_TOKENIZER = ROOT / "checkpoints" / "specla-gdn-tiny"
 # (name, generate() drafting keywords) of the final comparison
 EVAL_CONFIGS = [("chain", dict(tree=False, confidence_threshold=0.0)),

@@ -20,11 +20,11 @@ import gradio as gr
 from matplotlib.figure import Figure
 from transformers.generation.streamers import BaseStreamer
 
-from specla_hf.defaults import Models
+from specla_hf.app.loading import Models
 from specla_hf.drafting import DraftTree
 from specla_hf.generation import CHAIN_DEFAULTS, TREE_DEFAULTS
-from specla_hf.prompts import SHIPPED
-from specla_hf.runs import DecodeSettings, Run, encode, run_plain, run_specla, warm_up
+from specla_hf.app.prompts import SHIPPED
+from specla_hf.app.runs import DecodeSettings, Run, encode, run_plain, run_specla, warm_up
 
 DRAFT, BONUS = "draft", "bonus"
 COLORS = {DRAFT: "#a5dea8", BONUS: "#f9c98f"}

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specla_hf.gdn import check_gdn_model
 from specla_hf.generation import draft_options, make_drafter
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = "specla-gdn-tiny"
 DEFAULT_DRAFTER = "specla-gdn-tiny-drafter"
 LAYER_SKIP = "layer-skip"          # --drafter value that asks for the layer-skip drafter explicitly
