@@ -22,7 +22,7 @@ import torch
 import specla_hf
 from specla_hf.autoregressive import autoregressive_decode
 from specla_hf.app.loading import load_models
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.training.inflate import inflate_pair
 from specla_kernels import gemv
 

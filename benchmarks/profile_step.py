@@ -37,7 +37,7 @@ import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.app.loading import load_models
 from specla_hf.cuda_graphs import copy_in
 from specla_hf.eagle import _BlockRunner
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.training.inflate import inflate_pair
 from specla_kernels import gemv, pdl, tree_delta
 

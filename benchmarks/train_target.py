@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerFast
 import specla_hf  # noqa: F401  (installs the torch/fla dispatch)
 import specla_kernels.chunk as chunk_mod
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-from specla_hf.backend import use_backend
+from specla_hf.models.fla_backend import use_backend
 from train_tokenizer import DEFAULT_CORPUS, iter_texts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ import triton
 import specla_hf  # noqa: F401
 from specla_hf.cuda_graphs import capture
 from specla_hf.app.loading import load_models
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.training.inflate import inflate_pair
 from specla_kernels import gemv
 

@@ -8,7 +8,7 @@ import warnings
 # fla warns on every CPU import that Triton has no GPU driver; on CPU SpecLA runs its torch path by design
 warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
 
-from specla_hf import backend as _backend  # noqa: E402
+from specla_hf.models import fla_backend as _backend  # noqa: E402
 from specla_hf import generation as _generation  # noqa: E402
 
 _backend.install()
@@ -17,7 +17,7 @@ _generation.install()
 from specla_hf.cache import SpecLACache  # noqa: E402
 from specla_hf.decoding import SpecLAStats, speculative_decode  # noqa: E402
 from specla_hf.drafting import DraftOptions, DraftTree, DynamicTreeDrafter, GDNDrafter  # noqa: E402
-from specla_hf.gdn import GDNRunner  # noqa: E402
+from specla_hf.models.fla_gdn import GDNRunner  # noqa: E402
 from specla_hf.eagle import EagleDrafter, SpecLADrafter, SpecLADrafterConfig  # noqa: E402,F401  (registers the Auto classes)
 from specla_hf.dart import DartDrafter, SpecLADartConfig, SpecLADartDrafter  # noqa: E402,F401  (registers the Auto classes)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specla_kernels import ops
+from specla_kernels.commit import root_path
 from specla_kernels.reference import tree_depth
 
 
@@ -31,7 +32,7 @@ class SpecLALayer(CacheLayerMixin):
         self.g = torch.empty(batch_size, 0, num_v_heads, dtype=torch.float32, device=device)
         self.x = torch.empty(batch_size, 0, conv_dim, dtype=dtype, device=device)
         self._none_pending = (self.k_hat, self.u, self.g, self.x)
-        self.device = device
+        self.device, self.batch_size = device, batch_size
         self.is_initialized = True
 
     # ---- factors of the pending (verified, not yet committed) nodes ----
@@ -51,12 +52,12 @@ class SpecLALayer(CacheLayerMixin):
     def factor_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_hat, self.u, self.g, self.x))
 
-    # ---- CacheLayerMixin interface: this layer is driven by specla_hf.gdn, not by a model's forward ----
+    # ---- CacheLayerMixin interface: this layer is driven by specla_hf.models.fla_gdn, not by a model's forward ----
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         pass  # allocated eagerly in __init__, with the model's shapes
 
     def update(self, *args, **kwargs):
-        raise TypeError("SpecLACache is advanced by specla_hf's decoding loop (specla_hf.gdn.GDNRunner); it cannot "
+        raise TypeError("SpecLACache is advanced by specla_hf's decoding loop (specla_hf.models.fla_gdn.GDNRunner); it cannot "
                         "be passed as `past_key_values` to a model forward. Use model.generate(..., "
                         "assistant_model=...) or specla_hf.GDNRunner.")
 
@@ -83,13 +84,15 @@ class SpecLACache(Cache):
     state, so the cache tracks it). ``parents [B, N]`` is the topology of the ``N`` pending nodes.
     """
 
-    def __init__(self, layers: list[SpecLALayer]):
+    def __init__(self, layers: list):
         super().__init__(layers=layers)
         first = layers[0]
-        self.parents = self._no_parents = torch.empty(first.state.shape[0], 0, dtype=torch.long,
-                                                      device=first.state.device)
-        self.ancestors = self._no_ancestors = torch.empty(first.state.shape[0], 0, 0, dtype=torch.bool,
-                                                          device=first.state.device)
+        self.parents = self._no_parents = torch.empty(first.batch_size, 0, dtype=torch.long, device=first.device)
+        self.ancestors = self._no_ancestors = torch.empty(first.batch_size, 0, 0, dtype=torch.bool,
+                                                          device=first.device)
+        # the recurrent layers commit together (one launch); any other layer kind commits itself (``commit_path``)
+        self.recurrent = [layer for layer in layers if isinstance(layer, SpecLALayer)]
+        self.others = [layer for layer in layers if not isinstance(layer, SpecLALayer)]
         self.seq_length = 0
 
     @property
@@ -108,7 +111,9 @@ class SpecLACache(Cache):
 
     def commit_operands(self) -> dict[str, tuple[list[torch.Tensor], ...] | None]:
         """The ``states`` and ``windows`` arguments of ``ops.commit_`` for every layer's pending nodes."""
-        layers = self.layers
+        layers = self.recurrent
+        if not layers:
+            return dict(states=None, windows=None)
         return dict(states=tuple([getattr(l, name) for l in layers] for name in ("state", "k_hat", "u", "g")),
                     windows=None if layers[0].window is None else ([l.x for l in layers], [l.window for l in layers]))
 
@@ -121,7 +126,12 @@ class SpecLACache(Cache):
         B = self.parents.shape[0]
         if isinstance(accepted, int):
             accepted = torch.full((B,), accepted, dtype=torch.long, device=self.parents.device)
-        ops.commit_(self.parents, accepted, ancestors=self.ancestors, path=path, **self.commit_operands())
+        if self.others and path is None:
+            path = root_path(self.ancestors, accepted)
+        if self.recurrent:
+            ops.commit_(self.parents, accepted, ancestors=self.ancestors, path=path, **self.commit_operands())
+        for layer in self.others:
+            layer.commit_path(*path)
         if path_length is None:
             depth = tree_depth(self.ancestors)
             # batch 1 is what the decoding loop drives; for B > 1 every sequence must accept the same count

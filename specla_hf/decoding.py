@@ -20,7 +20,7 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
 
 from specla_hf.cuda_graphs import HostCopy, _restore, _snapshot, capture_or_warn, to_device
 from specla_hf.drafting import DraftTree, DynamicTreeDrafter
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 
 
 @dataclass

@@ -446,7 +446,7 @@ class GDNDrafter(DynamicTreeDrafter):
     state."""
 
     def __init__(self, drafter_model, options: DraftOptions):
-        from specla_hf.gdn import GDNRunner
+        from specla_hf.models.fla_gdn import GDNRunner
         super().__init__(options)
         self.runner = GDNRunner.for_model(drafter_model, role="drafter")
         self.cache = self.runner.new_cache(1)

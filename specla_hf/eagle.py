@@ -36,7 +36,8 @@ from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
 from specla_hf.cuda_graphs import DRAFT_SEQ_TOKENS, GraphedForward, capture_or_warn, copy_in, to_device
 from specla_hf.drafting import DraftOptions, DynamicTreeDrafter
-from specla_hf.gdn import GDNRunner, RunnerOutput
+from specla_hf.models.base import RunnerOutput
+from specla_hf.models.fla_gdn import GDNRunner
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:

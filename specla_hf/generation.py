@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specla_hf.decoding import SpecLAStats, speculative_decode
 from specla_hf.drafting import DraftOptions, DynamicTreeDrafter, GDNDrafter
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 
 CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
 # a tree of budget + 1 nodes is verified in a power-of-two bucket: 63 drafts + the root fill the 64-node bucket. With

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import tiny_gdn  # noqa: E402
-from specla_hf.backend import use_backend  # noqa: E402
+from specla_hf.models.fla_backend import use_backend  # noqa: E402
 
 out = {}
 for name, kw in {"base": {}, "gva": dict(v_heads=4), "no_gate_neg_eig": dict(gate=False, neg_eig=True)}.items():
@@ -54,7 +54,7 @@ for d_name, drafter in (("twin", twin), ("aligned", aligned)):
 out["specla_triton_kernels"] = specla
 # our autoregressive baseline's one-token step: fused GEMV kernels and fla's recurrence updating the state in place
 from specla_hf.autoregressive import autoregressive_decode  # noqa: E402
-from specla_hf.gdn import GDNRunner  # noqa: E402
+from specla_hf.models.fla_gdn import GDNRunner  # noqa: E402
 
 runner = GDNRunner(target)
 out["fused_step_equal"] = runner.fused_step and bool(torch.equal(autoregressive_decode(runner, ids, 14), plain))

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_gdn
 from specla_hf.autoregressive import autoregressive_decode
 from specla_hf.cuda_graphs import CHAIN_CHUNK, GraphedForward
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 
 
 def emulate_graphs(model, role):

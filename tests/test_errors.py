@@ -4,7 +4,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import tiny_gdn
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 
 IDS = torch.randint(0, 97, (1, 5))
 

@@ -1,4 +1,4 @@
-"""GDNRunner's fused weights (``specla_hf.gdn.fuse_mixer_weights``): one GEMM for a mixer's q|k|v|g|a|b projections,
+"""GDNRunner's fused weights (``specla_hf.models.fla_gdn.fuse_mixer_weights``): one GEMM for a mixer's q|k|v|g|a|b projections,
 one conv weight for its q|k|v convs, one GEMM for an MLP's gate|up, with the model's parameters as views of them.
 The runner must equal the stock forward, follow in-place weight updates, and rebuild after the parameters are
 replaced. Run as a script (under TRITON_INTERPRET=1), this file checks fla's kernels on the fused views instead."""
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from conftest import VARIANTS, tiny_gdn
-from specla_hf.gdn import GDNRunner, fuse_mixer_weights
+from specla_hf.models.fla_gdn import GDNRunner, fuse_mixer_weights
 from specla_kernels.reference import chain_parents
 
 SHAPES = {**VARIANTS, "conv_bias": {}}
@@ -178,7 +178,7 @@ if __name__ == "__main__":
 
     # the autotuner times configs on a GPU driver; under the interpreter there is none
     triton.runtime.autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [0.0, 0.0, 0.0]
-    from specla_hf.backend import use_backend
+    from specla_hf.models.fla_backend import use_backend
 
     for name in ("base", "gva", "no_gate", "conv_bias"):
         model = make_model(name)

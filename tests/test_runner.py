@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import VARIANTS, tiny_gdn
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 from specla_kernels.reference import chain_parents, tree_ancestors
 from test_reference import random_parents
 
@@ -135,7 +135,7 @@ def _spread_norm_weights(model, seed: int) -> None:
 def test_fused_decode_step_equals_general_path(name, dtype):
     """Batch-1 one-token steps through ``_decode_step`` (fused GEMVs, in-place recurrence) give the general path's
     logits, state and conv window, step after step; models it cannot compute take the general path."""
-    from specla_hf.gdn import supports_fused_step
+    from specla_hf.models.fla_gdn import supports_fused_step
     model = tiny_gdn(seed=6, **SHAPES[name]).to(dtype)
     _spread_norm_weights(model, 6)
     fused, general = GDNRunner(model), GDNRunner(model)
@@ -158,7 +158,7 @@ def test_fused_decode_step_equals_general_path(name, dtype):
 
 def test_inputs_wider_than_the_gemv_tile_take_the_general_path(monkeypatch):
     """The fused GEMVs keep the whole input in registers: a wider model is not given the fused step."""
-    import specla_hf.gdn as gdn
+    import specla_hf.models.fla_gdn as gdn
     model = tiny_gdn(seed=7)
     assert gdn.supports_fused_step(model)
     monkeypatch.setattr(gdn, "GEMV_MAX_K", model.config.hidden_size - 1)

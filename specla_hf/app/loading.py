@@ -18,7 +18,7 @@ import torch
 from fla.models import GatedDeltaNetForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specla_hf.gdn import check_gdn_model
+from specla_hf.models.fla_gdn import check_gdn_model
 from specla_hf.generation import draft_options, make_drafter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -50,12 +50,12 @@ from tqdm import tqdm
 from transformers import (AutoModelForCausalLM, LogitsProcessorList, MaxLengthCriteria, PreTrainedTokenizerFast,
                           StoppingCriteriaList)
 
-from specla_hf.backend import use_backend
+from specla_hf.models.fla_backend import use_backend
 from specla_hf.decoding import speculative_decode
 from specla_hf.dart import SpecLADartConfig, SpecLADartDrafter
 from specla_hf.eagle import SpecLADrafter, SpecLADrafterConfig
 from specla_hf.ngram import bigram_table
-from specla_hf.gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.generation import draft_options
 
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM

@@ -17,7 +17,6 @@ them (``specla_kernels.gemv``) and the recurrence updating the state in place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -30,8 +29,9 @@ from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel
 from fla.models import GatedDeltaNetForCausalLM
 from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
-from specla_hf import backend
+from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
+from specla_hf.models.base import RunnerOutput
 from specla_hf.cuda_graphs import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward,
                                    batch_size, num_tokens, pad_tokens, to_device, tree_bucket)
 from specla_kernels import ops
@@ -83,12 +83,6 @@ def projection_columns(m: GatedDeltaNet, projected: torch.Tensor) -> tuple[torch
     output gate (empty without ``use_gate``), and the decay and write-strength inputs ``a``, ``b``."""
     sizes = [2 * m.key_dim + m.value_dim, m.value_dim if m.use_gate else 0, m.num_v_heads, m.num_v_heads]
     return torch.split(projected, sizes + [projected.shape[-1] - sum(sizes)], -1)[:4]
-
-
-@dataclass
-class RunnerOutput:
-    logits: torch.Tensor                       # [B, T, vocab] (fp32 upcast is the caller's choice)
-    hidden_states: tuple[torch.Tensor, ...]    # outputs of the requested layers (index 0 = embeddings)
 
 
 def check_gdn_model(model, role: str = "target") -> None:
@@ -392,7 +386,7 @@ class GDNRunner:
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Block ``i``'s fla ``GatedMLP`` with gate_proj and up_proj as one GEMM (``fuse_mlp_weights``), then
-        exactly ``GatedMLP.forward``'s SwiGLU and down_proj (``specla_hf.backend``'s torch path where that is
+        exactly ``GatedMLP.forward``'s SwiGLU and down_proj (``specla_hf.models.fla_backend``'s torch path where that is
         chosen)."""
         mlp: GatedMLP = self.blocks[i].mlp
         if mlp.hidden_act != "swish":

@@ -1,0 +1,48 @@
+"""What the decoding loop and the drafters need of a model: the target-adapter protocol.
+
+An adapter drives one model family's own modules (its weights, norms, MLPs, LM head) over a ``SpecLACache`` and
+replaces only what speculative decoding must do differently: verify a token tree from the committed state without
+writing a state per node, and commit an accepted root-to-node path. One file per family under ``specla_hf.models``
+(``fla_gdn`` for flash-linear-attention's ``GatedDeltaNetForCausalLM``); ``specla_hf.models.adapter_for`` picks it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor                       # [B, T, vocab] (fp32 upcast is the caller's choice)
+    hidden_states: tuple[torch.Tensor, ...]    # outputs of the requested layers (index 0 = embeddings)
+
+
+class TargetAdapter(Protocol):
+    """One model driven by SpecLA (a target, or a drafter model of the same kind).
+
+    Invariant kept by the loop: the cache has consumed every token but the pending one, the root of each tree.
+    """
+
+    model: torch.nn.Module
+    graphs: object | None            # the adapter's ``runtime.graphs.GraphSet`` when it replays CUDA graphs
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def new_cache(self, batch_size: int = 1):
+        """A fresh ``SpecLACache`` for this model (with CUDA graphs: the adapter's one cache, reset)."""
+
+    def forward(self, inputs, cache, parents: torch.Tensor | None = None, logits_positions: slice | None = None,
+                hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
+        """Consume ``inputs [B, T]`` into the committed state (``parents=None``), or verify them as tree nodes on top
+        of it (``parents [B, T]``: indices into the cache's pending nodes, new ones included; -1 = the committed
+        state), recording what a commit needs and leaving the committed state untouched. ``hidden_layers``: the
+        residual stream after these blocks (0 = embeddings), for target-aligned drafters."""
+
+    def commit(self, cache, path: list[int]) -> None:
+        """Keep the pending nodes ``path`` (root first, a root-to-node path) and drop the rest."""
