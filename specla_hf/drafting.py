@@ -446,9 +446,9 @@ class GDNDrafter(DynamicTreeDrafter):
     state."""
 
     def __init__(self, drafter_model, options: DraftOptions):
-        from specla_hf.models.fla_gdn import GDNRunner
+        from specla_hf.models import adapter_for
         super().__init__(options)
-        self.runner = GDNRunner.for_model(drafter_model, role="drafter")
+        self.runner = adapter_for(drafter_model, role="drafter")
         self.cache = self.runner.new_cache(1)
         self.consumed = 0                    # tokens of input_ids in the drafter's committed state
 

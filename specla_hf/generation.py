@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specla_hf.decoding import SpecLAStats, speculative_decode
 from specla_hf.drafting import DraftOptions, DynamicTreeDrafter, GDNDrafter
-from specla_hf.models.fla_gdn import GDNRunner
+from specla_hf.models import adapter_class, adapter_for
 
 CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
 # a tree of budget + 1 nodes is verified in a power-of-two bucket: 63 drafts + the root fill the 64-node bucket. With
@@ -52,8 +52,6 @@ def draft_options(tree: bool | None = None, tree_budget: int | None = None, tree
 
 def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter:
     """Wrap what the user passed as ``assistant_model`` into a tree drafter, checking it fits the target."""
-    from fla.models import GatedDeltaNetForCausalLM
-
     if isinstance(assistant, DynamicTreeDrafter):
         return assistant
     if not isinstance(assistant, torch.nn.Module):
@@ -76,10 +74,10 @@ def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter
                          f"assistant_model.to({t_param.dtype})")
     if aligned:
         return assistant.candidate_generator(target, options)
-    if isinstance(assistant, GatedDeltaNetForCausalLM):
+    if adapter_class(assistant) is not None:
         return GDNDrafter(assistant, options)
-    raise TypeError(f"unsupported assistant_model {type(assistant).__name__}: pass a GatedDeltaNetForCausalLM draft "
-                    "model or a specla_hf SpecLADrafter")
+    raise TypeError(f"unsupported assistant_model {type(assistant).__name__}: pass a draft model SpecLA can drive "
+                    "(a GatedDeltaNetForCausalLM, or a model of the target's family) or a specla_hf SpecLADrafter")
 
 
 def _check_generation(model, input_ids, generation_config, model_kwargs) -> None:
@@ -115,7 +113,7 @@ def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, gene
     _check_generation(model, input_ids, generation_config, model_kwargs)
     options = draft_options(tree, tree_budget, tree_topk, draft_depth, confidence_threshold, adaptive_drafting)
     drafter = make_drafter(model, specla_assistant, options)
-    target = GDNRunner.for_model(model)
+    target = adapter_for(model)
     if specla_streamer is not None:
         specla_streamer.put(input_ids.cpu())
     cfg = generation_config
@@ -132,11 +130,10 @@ def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, gene
                                 logits=tuple(logits) if cfg.output_logits else None, specla_stats=stats)
 
 
-def install() -> None:
-    """Give fla's GatedDeltaNetForCausalLM a generate() that accepts assistant_model (see module docstring)."""
-    from fla.models import GatedDeltaNetForCausalLM
-
-    stock = GatedDeltaNetForCausalLM.generate
+def patch_generate(model_class) -> None:
+    """Give ``model_class`` a ``generate`` that runs SpecLA when an ``assistant_model`` is passed (module docstring);
+    without one the class's own ``generate`` runs. Idempotent."""
+    stock = model_class.generate
     if getattr(stock, "specla", False):
         return
 
@@ -154,4 +151,11 @@ def install() -> None:
 
     generate.specla = True
     generate.__doc__ = stock.__doc__
-    GatedDeltaNetForCausalLM.generate = generate
+    model_class.generate = generate
+
+
+def install() -> None:
+    """Patch fla's GatedDeltaNetForCausalLM (see ``patch_generate``)."""
+    from fla.models import GatedDeltaNetForCausalLM
+
+    patch_generate(GatedDeltaNetForCausalLM)
