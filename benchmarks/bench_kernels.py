@@ -172,7 +172,7 @@ def layer_inputs(n: int, gen: torch.Generator, dev: str) -> dict:
 def handed_paths(ancestors: torch.Tensor, accepted: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The accepted node's path (one sequence) as ``commit_`` is handed it: ``loop`` as the device loop's acceptance
     step hands it over (``greedy_accept``: a buffer as long as the tree is deep, padded with the accepted node),
-    ``host`` as the host loop's commit graphs hold it (``GraphedForward.commit``: a buffer of one chunk of nodes where
+    ``host`` as the host loop's commit graphs hold it (``ForwardGraphs.commit``: a buffer of one chunk of nodes where
     the path fits one, else as long as the tree)."""
     nodes, length = root_path(ancestors, accepted)
     n, path_len = nodes.shape[1], int(length[0])

@@ -35,8 +35,8 @@ import torch
 
 import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.app.loading import load_models
-from specla_hf.cuda_graphs import copy_in
-from specla_hf.eagle import _BlockRunner
+from specla_hf.runtime.transfer import copy_in
+from specla_hf.drafters.eagle import _BlockRunner
 from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.training.inflate import inflate_pair
 from specla_kernels import gemv, pdl, tree_delta
@@ -303,14 +303,14 @@ def main():
         return
     res["ar_step"] = cuda_ms(lambda: runner.forward(token, cache))
     res["ar_step_host_us"] = host_us(lambda: runner.forward(token, cache))
-    res["profile"] = kernel_profile(lambda: runner._forward(token, cache, None, None, ()))
+    res["profile"] = kernel_profile(lambda: runner.compute(token, cache, None, None, ()))
 
     for n in (16, 64):
         tree = random_tree(n, gen).cuda()
         ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).cuda()
 
         def eager_verify(ids=ids, tree=tree):
-            runner._forward(ids, cache, tree, None, (1, 2, 21))
+            runner.compute(ids, cache, tree, None, (1, 2, 21))
             cache.discard()
         res[f"profile_verify{n}"] = kernel_profile(eager_verify)
     save()
@@ -327,7 +327,7 @@ def main():
         res[f"verify_{n}_host_us"] = host_us(verify)
     # the pieces of a verify call's host time (64-node bucket): the graph launch alone, one host-to-GPU input copy
     g = runner.graphs.last_tree
-    res["verify_64_graph_launch_host_us"] = host_us(g.graph.replay)
+    res["verify_64_graph_launch_host_us"] = host_us(g.call.replay)
     host_parents = torch.full(tuple(g.parents.shape), -1)
     res["copy_in_host_us"] = host_us(lambda: copy_in(g.parents, host_parents))
 
@@ -338,7 +338,7 @@ def main():
         runner.forward(ids, cache, parents=parents.cuda())
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        cache.commit(5, path_length=6)
+        cache.commit(5)
         b.record()
         b.synchronize()
         commits.append(a.elapsed_time(b))
@@ -366,7 +366,7 @@ def main():
     res["draft_tree9"] = cuda_ms(draft_call(feats9, toks9, tree))
 
     def eager_draft9():
-        drunner._forward((feats9, toks9), dcache, tree, None, ())
+        drunner.compute((feats9, toks9), dcache, tree, None, ())
         dcache.discard()
     res["profile_draft9"] = kernel_profile(eager_draft9)
     save()

@@ -1,6 +1,6 @@
 """GPU: where a SpecLA decode step's wall time goes on the device, without the profiler's host overhead.
 
-Every CUDA-graph replay and every ``specla.*`` phase of the decoding loop (``specla_hf.decoding``) gets a pair of CUDA
+Every CUDA-graph replay and every ``specla.*`` phase of the decoding loop (``specla_hf.loop.decode``) gets a pair of CUDA
 events; a graph replay's span is GPU time (the graph's kernels and the gaps between them, which the host cannot
 cause), and what lies between two replays is the eager kernels launched there (argmax, gathers, copies: a few µs)
 plus the time the GPU waited for the host to queue the next replay. Reported per step: the wall time, the time in
@@ -28,9 +28,9 @@ from unittest import mock
 import torch
 
 import specla_hf  # noqa: F401  (registers the drafter classes)
-from specla_hf import decoding
+from specla_hf.loop import decode, stopping
 from specla_hf.app.loading import load_models
-from specla_hf.eagle import EagleDrafter
+from specla_hf.drafters.eagle import EagleDrafter
 from specla_hf.training.inflate import inflate_pair
 
 SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0]),
@@ -69,7 +69,8 @@ class Timeline:
             replay(graph)
             timeline._mark("graph_end", timeline.phase)
         with mock.patch.object(torch.cuda.CUDAGraph, "replay", timed_replay), \
-                mock.patch.object(decoding, "record_function", self.record_function):
+                mock.patch.object(decode, "record_function", self.record_function), \
+                mock.patch.object(stopping, "record_function", self.record_function):
             yield self
 
     def totals(self) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specla_hf.cuda_graphs import tree_bucket
+from specla_hf.models.graphed import tree_bucket
 from specla_hf.app.loading import load_models
 from specla_hf.app.prompts import load_prompts
 

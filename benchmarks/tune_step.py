@@ -26,7 +26,7 @@ import torch
 import triton
 
 import specla_hf  # noqa: F401
-from specla_hf.cuda_graphs import capture
+from specla_hf.runtime.graphs import StaticCall
 from specla_hf.app.loading import load_models
 from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.training.inflate import inflate_pair
@@ -57,7 +57,7 @@ def step_products(runner: GDNRunner, cache, token: torch.Tensor) -> dict[tuple, 
 def step_ms(runner: GDNRunner, cache, token: torch.Tensor, groups: int = 5, reps: int = 20) -> float:
     """One whole step captured under the current ``gemv.STEP_CONFIGS``: median over ``groups`` of the mean replay
     time of ``reps`` back-to-back replays (CUDA events)."""
-    graph = capture(lambda: runner._decode_step(token, cache))
+    graph = StaticCall(lambda: runner._decode_step(token, cache))
     for _ in range(3):
         graph.replay()
     times = []

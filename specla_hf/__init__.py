@@ -1,27 +1,72 @@
 """SpecLA-HF: lossless speculative decoding for Gated DeltaNet models in Hugging Face Transformers.
 
-``import specla_hf`` gives fla's Triton-only modules a torch path on CPU and lets
-``GatedDeltaNetForCausalLM.generate(..., assistant_model=drafter)`` run speculative decoding.
+After ``import specla_hf``, ``model.generate(..., assistant_model=drafter)`` runs SpecLA's speculative decoding for
+flash-linear-attention's ``GatedDeltaNetForCausalLM``, and fla's Triton-only modules take a torch path on a CPU.
+Nothing heavy is imported here: each model library is patched when the user's code imports it, and the names below
+load on first use.
 """
-import warnings
+from __future__ import annotations
 
-# fla warns on every CPU import that Triton has no GPU driver; on CPU SpecLA runs its torch path by design
-warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+import importlib
+import sys
 
-from specla_hf.models import fla_backend as _backend  # noqa: E402
-from specla_hf import generation as _generation  # noqa: E402
-
-_backend.install()
-_generation.install()
-
-from specla_hf.cache import SpecLACache  # noqa: E402
-from specla_hf.decoding import SpecLAStats, speculative_decode  # noqa: E402
-from specla_hf.drafting import DraftOptions, DraftTree, DynamicTreeDrafter, GDNDrafter  # noqa: E402
-from specla_hf.models.fla_gdn import GDNRunner  # noqa: E402
-from specla_hf.eagle import EagleDrafter, SpecLADrafter, SpecLADrafterConfig  # noqa: E402,F401  (registers the Auto classes)
-from specla_hf.dart import DartDrafter, SpecLADartConfig, SpecLADartDrafter  # noqa: E402,F401  (registers the Auto classes)
-
-__all__ = ["SpecLACache", "SpecLAStats", "speculative_decode", "DraftOptions", "DraftTree", "DynamicTreeDrafter",
-           "GDNDrafter", "GDNRunner"]
+from specla_hf import _hooks
 
 __version__ = "0.1.0"
+
+# public name -> the module defining it
+_PUBLIC = {
+    "SpecLACache": "specla_hf.cache",
+    "SpecLAStats": "specla_hf.loop.stats",
+    "speculative_decode": "specla_hf.loop.decode",
+    "DraftOptions": "specla_hf.drafters.base",
+    "DraftTree": "specla_hf.drafters.base",
+    "DynamicTreeDrafter": "specla_hf.drafters.base",
+    "GDNDrafter": "specla_hf.drafters.small_model",
+    "SpecLADrafter": "specla_hf.drafters.eagle",
+    "SpecLADrafterConfig": "specla_hf.drafters.eagle",
+    "EagleDrafter": "specla_hf.drafters.eagle",
+    "SpecLADartDrafter": "specla_hf.drafters.dart",
+    "SpecLADartConfig": "specla_hf.drafters.dart",
+    "DartDrafter": "specla_hf.drafters.dart",
+    "GDNRunner": "specla_hf.models.fla_gdn",
+    "adapter_for": "specla_hf.models",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'specla_hf' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+def _install_fla(_module) -> None:
+    from specla_hf import generation
+    from specla_hf.models import fla_backend
+
+    fla_backend.install()
+    generation.install()
+    if "transformers.models.auto.modeling_auto" in sys.modules:
+        _register_drafters(fla_loaded=True)
+
+
+_registered = []
+
+
+def _register_drafters(_module=None, fla_loaded: bool = False) -> None:
+    """Let transformers' Auto classes load saved SpecLA drafters. They are built on fla's modules, and fla imports
+    the Auto classes while it loads: then the fla hook registers them once fla is done. Importing the drafters may
+    import fla, whose hook calls back here: the outer call registers."""
+    fla = sys.modules.get("fla")
+    if _registered or (not fla_loaded and fla is not None and getattr(fla.__spec__, "_initializing", False)):
+        return
+    _registered.append(True)
+    from specla_hf.drafters import dart, eagle
+
+    eagle.register_auto_classes()
+    dart.register_auto_classes()
+
+
+_hooks.after_import("fla", _install_fla)
+_hooks.after_import("transformers.models.auto.modeling_auto", _register_drafters)

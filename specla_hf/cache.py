@@ -1,9 +1,14 @@
-"""``SpecLACache``: a transformers ``Cache`` holding, per GDN layer, the committed recurrent state, the conv window
-and the compact verification factors of the draft nodes verified since the last commit.
+"""``SpecLACache``: a transformers ``Cache`` holding, per layer, the committed state and the draft nodes verified on
+top of it since the last commit.
 
-Nothing here stores a state per draft node: a verify pass leaves the committed state untouched and records, per node,
-``k_hat [H, K]``, ``u [HV, V]``, the log-decay ``g [HV]`` and the raw pre-conv inputs; ``commit(accepted)`` rebuilds
-the state after the accepted root-to-node path with one rank-|path| update (``docs/design.md``).
+A GDN layer (``SpecLALayer``) keeps its recurrent state, its conv window and, per pending node, the compact factors
+``k_hat [H, K]``, ``u [HV, V]``, the log-decay ``g [HV]`` and the raw pre-conv inputs: a verify pass leaves the
+committed state untouched, and ``commit`` rebuilds the state after the accepted root-to-node path with one
+rank-|path| update (``docs/design.md``). Nothing stores a state per draft node. Other layer kinds (a hybrid model's
+attention layers) keep their own pending entries and commit them from the accepted path (``commit_path``).
+
+The cache holds no position count: the decoding loop owns it (a commit recorded in a CUDA graph cannot tell the host
+how many tokens it kept).
 """
 from __future__ import annotations
 
@@ -12,7 +17,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specla_kernels import ops
 from specla_kernels.commit import root_path
-from specla_kernels.reference import tree_depth
 
 
 class SpecLALayer(CacheLayerMixin):
@@ -45,44 +49,52 @@ class SpecLALayer(CacheLayerMixin):
         self.g = torch.cat([self.g, g], 1)
         self.x = torch.cat([self.x, x], 1)
 
+    def pending(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the pending nodes (references: a CUDA graph's outputs become them after a replay)."""
+        return self.k_hat, self.u, self.g, self.x
+
+    def set_pending(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.k_hat, self.u, self.g, self.x = tensors
+
     def drop_pending(self) -> None:
         # the empty tensors made once: every step discards, and slicing 4 x layers tensors costs host time
-        self.k_hat, self.u, self.g, self.x = self._none_pending
+        self.set_pending(self._none_pending)
+
+    def committed(self) -> tuple[torch.Tensor, ...]:
+        """The committed tensors, written in place (graphs hold their addresses)."""
+        return (self.state,) if self.window is None else (self.state, self.window)
 
     def factor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_hat, self.u, self.g, self.x))
+        return sum(t.numel() * t.element_size() for t in self.pending())
 
-    # ---- CacheLayerMixin interface: this layer is driven by specla_hf.models.fla_gdn, not by a model's forward ----
+    # ---- CacheLayerMixin interface: this layer is driven by a SpecLA adapter, not by a model's forward ----
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         pass  # allocated eagerly in __init__, with the model's shapes
 
     def update(self, *args, **kwargs):
-        raise TypeError("SpecLACache is advanced by specla_hf's decoding loop (specla_hf.models.fla_gdn.GDNRunner); it cannot "
+        raise TypeError("SpecLACache is advanced by SpecLA's decoding loop (specla_hf.models.adapter_for); it cannot "
                         "be passed as `past_key_values` to a model forward. Use model.generate(..., "
-                        "assistant_model=...) or specla_hf.GDNRunner.")
+                        "assistant_model=...).")
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
         return 0, 0  # a recurrent layer takes no attention mask
 
     def get_seq_length(self, *args, **kwargs) -> int:
-        raise TypeError("ask the SpecLACache, not its layer, for the sequence length")
+        raise TypeError("a SpecLACache counts no positions: the decoding loop does")
 
     def get_max_length(self) -> int:
         return -1  # no sequence dimension
 
     def reset(self) -> None:
-        self.state.zero_()
-        if self.window is not None:
-            self.window.zero_()
+        for t in self.committed():
+            t.zero_()
         self.drop_pending()
 
 
 class SpecLACache(Cache):
-    """Per-layer recurrent state + conv window + verification factors, and the tree of the pending nodes.
-
-    ``seq_length`` counts committed tokens (transformers' ``get_seq_length`` cannot be derived from a recurrent
-    state, so the cache tracks it). ``parents [B, N]`` is the topology of the ``N`` pending nodes.
-    """
+    """Per-layer committed state and pending nodes, and the pending nodes' tree: ``parents [B, N]`` (indices into
+    the pending nodes, -1 for the committed state) and its ancestor mask ``ancestors [B, N, N]``, built once per
+    verify pass (every layer's verify and the commit read it)."""
 
     def __init__(self, layers: list):
         super().__init__(layers=layers)
@@ -93,36 +105,32 @@ class SpecLACache(Cache):
         # the recurrent layers commit together (one launch); any other layer kind commits itself (``commit_path``)
         self.recurrent = [layer for layer in layers if isinstance(layer, SpecLALayer)]
         self.others = [layer for layer in layers if not isinstance(layer, SpecLALayer)]
-        self.seq_length = 0
 
     @property
     def num_pending(self) -> int:
         return self.parents.shape[1]
 
-    def get_seq_length(self, layer_idx: int | None = 0, *args, **kwargs) -> int:
-        return self.seq_length
+    def get_seq_length(self, *args, **kwargs) -> int:
+        raise TypeError("a SpecLACache counts no positions: the decoding loop does")
 
     def add_nodes(self, parents: torch.Tensor) -> torch.Tensor:
-        """Append nodes with ``parents`` (indices into all pending nodes); returns all pending parents. Their ancestor
-        mask (``ancestors``), which every layer's verify and the commit read, is built here once."""
+        """Append nodes with ``parents`` (indices into all pending nodes); returns all pending parents."""
         self.parents = torch.cat([self.parents, parents], 1)
         self.ancestors = ops.tree_ancestors(self.parents)
         return self.parents
 
     def commit_operands(self) -> dict[str, tuple[list[torch.Tensor], ...] | None]:
-        """The ``states`` and ``windows`` arguments of ``ops.commit_`` for every layer's pending nodes."""
+        """The ``states`` and ``windows`` arguments of ``ops.commit_`` for every recurrent layer's pending nodes."""
         layers = self.recurrent
         if not layers:
             return dict(states=None, windows=None)
         return dict(states=tuple([getattr(l, name) for l in layers] for name in ("state", "k_hat", "u", "g")),
                     windows=None if layers[0].window is None else ([l.x for l in layers], [l.window for l in layers]))
 
-    def commit(self, accepted: torch.Tensor | int, path_length: int | None = None,
-               path: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Keep the root-to-``accepted`` path of the pending nodes (index per sequence; -1 keeps none).
-        ``path_length``, the number of nodes on that path when the caller knows it, saves a device round trip;
-        ``path = (nodes [B, P], length [B])``, that path on the device when the caller has it, saves reading it off
-        the ancestor mask (``ops.commit_``: a few small kernels)."""
+    def commit(self, accepted: torch.Tensor | int, path: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Keep the root-to-``accepted`` path of the pending nodes (index per sequence; -1 keeps none) and drop the
+        rest. ``path = (nodes [B, P], length [B])``, that path root first, when the caller has it on the device (the
+        acceptance does), saves reading it off the ancestor mask."""
         B = self.parents.shape[0]
         if isinstance(accepted, int):
             accepted = torch.full((B,), accepted, dtype=torch.long, device=self.parents.device)
@@ -132,29 +140,38 @@ class SpecLACache(Cache):
             ops.commit_(self.parents, accepted, ancestors=self.ancestors, path=path, **self.commit_operands())
         for layer in self.others:
             layer.commit_path(*path)
-        if path_length is None:
-            depth = tree_depth(self.ancestors)
-            # batch 1 is what the decoding loop drives; for B > 1 every sequence must accept the same count
-            path_len = torch.where(accepted >= 0, depth.gather(1, accepted.clamp(min=0)[:, None])[:, 0] + 1, 0)
-            lengths = set(path_len.tolist())
-            if len(lengths) != 1:
-                raise ValueError(f"sequences accepted paths of different lengths {sorted(lengths)}; SpecLACache "
-                                 "tracks one sequence length per cache")
-            path_length = lengths.pop()
         self.discard()
-        self.seq_length += path_length
 
-    def advance(self, num_tokens: int) -> None:
-        """Record ``num_tokens`` consumed straight into the committed state (prefill / autoregressive steps)."""
+    def check_consumable(self) -> None:
         if self.num_pending:
             raise RuntimeError("commit or discard the pending draft nodes before consuming tokens directly")
-        self.seq_length += num_tokens
 
     def discard(self) -> None:
         """Drop the pending nodes without committing any (the committed state is untouched: nothing to run)."""
         for layer in self.layers:
             layer.drop_pending()
         self.parents, self.ancestors = self._no_parents, self._no_ancestors
+
+    # ---- what CUDA graphs and their emulation need to know of the cache ----
+    def pending_refs(self) -> tuple:
+        """Python-side references to the pending nodes (a real graph replay leaves them; see ``StaticCall``)."""
+        return self.parents, self.ancestors, [layer.pending() for layer in self.layers]
+
+    def set_pending_refs(self, refs: tuple) -> None:
+        self.parents, self.ancestors, pending = refs
+        for layer, tensors in zip(self.layers, pending):
+            layer.set_pending(tensors)
+
+    def snapshot(self) -> tuple:
+        """The pending references and a copy of every committed tensor (``restore`` puts both back in place)."""
+        return self.pending_refs(), [tuple(t.clone() for t in layer.committed()) for layer in self.layers]
+
+    def restore(self, snapshot: tuple) -> None:
+        refs, committed = snapshot
+        self.set_pending_refs(refs)
+        for layer, saved in zip(self.layers, committed):
+            for t, s in zip(layer.committed(), saved):
+                t.copy_(s)
 
     def factor_bytes(self) -> int:
         return sum(layer.factor_bytes() for layer in self.layers)
@@ -163,4 +180,3 @@ class SpecLACache(Cache):
         for layer in self.layers:
             layer.reset()
         self.parents, self.ancestors = self._no_parents, self._no_ancestors
-        self.seq_length = 0

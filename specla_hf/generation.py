@@ -18,8 +18,10 @@ import torch
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from specla_hf.decoding import SpecLAStats, speculative_decode
-from specla_hf.drafting import DraftOptions, DynamicTreeDrafter, GDNDrafter
+from specla_hf.drafters.base import DraftOptions, DynamicTreeDrafter
+from specla_hf.drafters.small_model import GDNDrafter
+from specla_hf.loop.decode import speculative_decode
+from specla_hf.loop.stats import SpecLAStats
 from specla_hf.models import adapter_class, adapter_for
 
 CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
@@ -58,7 +60,7 @@ def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter
         raise TypeError(f"assistant_model must be a drafter model or a SpecLA DynamicTreeDrafter, got "
                         f"{type(assistant).__name__}")
     t_vocab, d_vocab = target.config.vocab_size, assistant.config.vocab_size
-    # a target-aligned drafter (specla_hf.eagle) reads the target's hidden features: it checks the fit itself
+    # a target-aligned drafter (specla_hf.drafters.eagle) reads the target's hidden features: it checks the fit itself
     aligned = getattr(assistant, "is_specla_drafter", False)
     if aligned:
         assistant.check_target(target)

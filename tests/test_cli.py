@@ -69,7 +69,7 @@ def test_default_models_come_from_specla_home(ckpts, tmp_path):
     """No model arguments: the target in $SPECLA_HOME with its aligned drafter if present, else layer-skip."""
     from transformers import AutoConfig
 
-    from specla_hf.eagle import SpecLADrafter, SpecLADrafterConfig
+    from specla_hf.drafters.eagle import SpecLADrafter, SpecLADrafterConfig
 
     bare, full = tmp_path / "bare", tmp_path / "full"
     for home in (bare, full):

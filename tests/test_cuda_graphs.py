@@ -1,16 +1,17 @@
 """The CUDA-graph bookkeeping (capture once per shape, replay with static buffers, tree buckets) on CPU, with
-EmulatedGraph standing in for torch.cuda.CUDAGraph: anything recorded inside a capture is replayed on every call."""
+``StaticCall``'s emulation standing in for torch.cuda.CUDAGraph: anything recorded inside a capture is replayed on
+every call."""
 import torch
 
 from conftest import tiny_gdn
 from specla_hf.autoregressive import autoregressive_decode
-from specla_hf.cuda_graphs import CHAIN_CHUNK, GraphedForward
+from specla_hf.models.graphed import CHAIN_CHUNK, ForwardGraphs
 from specla_hf.models.fla_gdn import GDNRunner
 
 
 def emulate_graphs(model, role):
     runner = GDNRunner.for_model(model, role)
-    runner.graphs = GraphedForward(runner, emulate=True)
+    runner.graphs = ForwardGraphs(runner, emulate=True)
     runner.bucket_trees = True
     return runner
 
@@ -23,7 +24,7 @@ def test_graphed_autoregressive_decoding_keeps_the_state():
     for _ in range(2):     # the second call reuses the captured graphs and the runner's one cache
         assert torch.equal(autoregressive_decode(runner, ids, 20), plain)
     # one step graph served all 40 steps; the other sequence lengths were captured beside it, none since
-    graphs = runner.graphs.graphs
+    graphs = runner.graphs.forwards
     assert sorted(k[0] for k in graphs if k[1] is None) == list(range(1, runner.graphs.max_seq_tokens + 1))
     # the 8-token prompt pass: one chain of CHAIN_CHUNK nodes (padded) verified and committed by graph replays
     chains = [g for k, g in graphs.items() if k[1] is not None]
@@ -48,14 +49,14 @@ def test_graphed_speculative_decoding_is_lossless(bad_drafter):
                                       confidence_threshold=0.0)
                 assert torch.equal(spec, plain), (trial, tree)
     assert model.specla_stats.steps < 25
-    assert all(r.graphs.graphs for r in runners)
+    assert all(r.graphs.forwards for r in runners)
     # the target commits each step by replaying the commit graph of the verify graph it came from
-    assert any(g.commit and all(g.commit.values()) for g in runners[0].graphs.graphs.values())
+    assert any(g.commit and all(g.commit.values()) for g in runners[0].graphs.forwards.values())
 
 
 def test_graphed_eagle_drafter_is_lossless_and_drafts_as_eager():
     from specla_hf import SpecLADrafter, SpecLADrafterConfig
-    from specla_hf.eagle import DRAFT_SEQ_TOKENS, _BlockRunner
+    from specla_hf.drafters.eagle import DRAFT_SEQ_TOKENS, _BlockRunner
     model = tiny_gdn(seed=53)
     torch.manual_seed(4)
     drafter = SpecLADrafter(SpecLADrafterConfig.for_target(model.config, num_heads=2, head_dim=16)).eval()
@@ -70,7 +71,7 @@ def test_graphed_eagle_drafter_is_lossless_and_drafts_as_eager():
         eager[tree, threshold] = model.specla_stats
     target_runner = emulate_graphs(model, "target")
     runner = _BlockRunner.for_drafter(drafter, model)
-    runner.graphs = GraphedForward(runner, emulate=True, max_seq_tokens=DRAFT_SEQ_TOKENS)
+    runner.graphs = ForwardGraphs(runner, emulate=True, max_seq_tokens=DRAFT_SEQ_TOKENS)
     runner.bucket_trees = True
     for trial in range(2):                         # the second generate() replays the first one's graphs
         for tree, threshold in settings:
@@ -80,27 +81,30 @@ def test_graphed_eagle_drafter_is_lossless_and_drafts_as_eager():
             # padding the drafter's trees to buckets and replaying graphs drafts exactly what eager drafting does
             assert model.specla_stats.draft_nodes == eager[tree, threshold].draft_nodes
             assert model.specla_stats.accepted == eager[tree, threshold].accepted
-    assert _BlockRunner.for_drafter(drafter, model) is runner and runner.graphs.graphs
-    keys = list(runner.graphs.graphs)
+    assert _BlockRunner.for_drafter(drafter, model) is runner and runner.graphs.forwards
+    keys = list(runner.graphs.forwards)
     assert any(k[1] is None and k[0] > 1 for k in keys)      # catch-up sequence calls are graphed too
-    assert any(isinstance(n, int) for graphs in runner._feature_graphs.values() for n in graphs)   # and the fusion
+    calls = runner.graphs.calls
+    assert any(k[0] == "fuse" and v is not None for k, v in calls.items())            # and the fusion
+    assert any(k[1] == "depth" and v is not None for k, v in calls.items())           # and the draft depths
     # the device loop's acceptance, commit and catch-up: one graph per verify graph, replayed
-    tails = target_runner._step_tail_graphs[runner]
-    assert tails and all(graph is not None for graph, _ in tails.values())
+    tails = target_runner.graphs.store(owner=runner)
+    assert tails and all(k[0] == "step tail" and v is not None for k, v in tails.items())
 
 
 def test_a_failed_capture_falls_back_to_eager_with_a_warning(monkeypatch):
     import pytest
-    import specla_hf.cuda_graphs as cg
+    import specla_hf.runtime.graphs as rg
     model, drafter = tiny_gdn(seed=54), tiny_gdn(seed=54)
     ids = torch.randint(0, 97, (1, 6))
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
     emulate_graphs(model, "target")
     emulate_graphs(drafter, "drafter")
 
-    def broken(fn, emulate=False):
-        raise RuntimeError("operation not permitted when stream is capturing")
-    monkeypatch.setattr(cg, "capture", broken)
+    class Broken(rg.StaticCall):
+        def __init__(self, fn, emulate=False, between=None, python_state=None):
+            raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(rg, "StaticCall", Broken)
     with pytest.warns(RuntimeWarning, match="eagerly"):
         spec = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, tree=True,
                               confidence_threshold=0.0)
@@ -123,19 +127,19 @@ def test_a_long_prompt_is_consumed_as_graphed_chains():
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
         for g, w in zip(got.hidden_states, want.hidden_states):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-        assert got_cache.seq_length == want_cache.seq_length == ids.shape[1] and not got_cache.num_pending
+        assert not got_cache.num_pending
         for g, w in zip(got_cache.layers, want_cache.layers):
             torch.testing.assert_close(g.state, w.state, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(g.window, w.window)
     # one verify graph and its commit graph served every chunk of every call
-    assert [k[0] for k in graphed.graphs.graphs if k[1] is not None] == [CHAIN_CHUNK]
+    assert [k[0] for k in graphed.graphs.forwards if k[1] is not None] == [CHAIN_CHUNK]
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(autoregressive_decode(graphed, ids, 12), plain)
 
 
 def test_a_long_prompt_through_graphed_chains_keeps_speculative_decoding_lossless():
     from specla_hf import SpecLADrafter, SpecLADrafterConfig
-    from specla_hf.eagle import DRAFT_SEQ_TOKENS, _BlockRunner
+    from specla_hf.drafters.eagle import DRAFT_SEQ_TOKENS, _BlockRunner
     model = tiny_gdn(seed=55)
     torch.manual_seed(5)
     drafter = SpecLADrafter(SpecLADrafterConfig.for_target(model.config, num_heads=2, head_dim=16)).eval()
@@ -143,10 +147,10 @@ def test_a_long_prompt_through_graphed_chains_keeps_speculative_decoding_lossles
     plain = model.generate(ids, max_new_tokens=20, do_sample=False)
     emulate_graphs(model, "target")
     runner = _BlockRunner.for_drafter(drafter, model)
-    runner.graphs = GraphedForward(runner, emulate=True, max_seq_tokens=DRAFT_SEQ_TOKENS)
+    runner.graphs = ForwardGraphs(runner, emulate=True, max_seq_tokens=DRAFT_SEQ_TOKENS)
     runner.bucket_trees = True
     for tree in (False, True):
         assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter,
                                           tree=tree, confidence_threshold=0.0), plain), tree
     # the drafter caught up on the prompt's features through its own chain graph
-    assert any(k[0] == CHAIN_CHUNK and k[1] == 0 for k in runner.graphs.graphs)
+    assert any(k[0] == CHAIN_CHUNK and k[1] == 0 for k in runner.graphs.forwards)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tiny_gdn
 from specla_hf import DraftOptions, SpecLADartConfig, SpecLADartDrafter, SpecLADrafter, SpecLADrafterConfig
-from specla_hf.ngram import bigram_logp, bigram_table
+from specla_hf.drafters.ngram import bigram_logp, bigram_table
 
 
 def make_dart(target, seed: int = 7, slots: int = 4, **overrides) -> SpecLADartDrafter:
@@ -107,7 +107,7 @@ def test_one_pass_gives_every_depth_as_training_sees_it(target, dart, length):
         drafter.add_features(prefill.hidden_states)
     drafter.propose(ids)
     torch.testing.assert_close(drafter.buffers.depth_logp, _sequence_mode(target, dart, ids), rtol=1e-4, atol=1e-4)
-    assert drafter.cache.num_pending == 0 and drafter.cache.seq_length == length - 1
+    assert drafter.cache.num_pending == 0 and drafter.consumed == length - 1
     with pytest.raises(ValueError, match="depth"):
         DraftOptions(depth=0)
     assert dart.candidate_generator(target, DraftOptions(depth=12)).options.depth == 5   # slots + 1
@@ -115,7 +115,7 @@ def test_one_pass_gives_every_depth_as_training_sees_it(target, dart, length):
 
 @pytest.mark.parametrize("weight", [0.0, 0.7])
 def test_tree_nodes_score_the_depth_marginal_times_the_bigram(target, weight):
-    """Every drafted node's log-probability step is ``log q(x | parent token, depth)`` of ``specla_hf.dart`` over
+    """Every drafted node's log-probability step is ``log q(x | parent token, depth)`` of ``specla_hf.drafters.dart`` over
     the ``ngram_candidates`` best tokens of its depth's distribution (with weight 0: that distribution itself)."""
     dart = make_dart(target, seed=11, slots=3, ngram_weight=weight, ngram_candidates=6)
     drafter = dart.candidate_generator(target, DraftOptions(depth=4, topk=3, budget=20))
@@ -156,7 +156,7 @@ def test_greedy_identical_to_plain(target, dart, tree):
 # training
 # ---------------------------------------------------------------------------------------------------------------
 def test_cpu_smoke_training_lowers_the_loss_and_starts_from_an_eagle_drafter(tmp_path):
-    from specla_hf import train_drafter
+    from specla_hf.training import train_drafter
     words = "the of and to in is that for it as with was on be by at this from".split()
     gen = torch.Generator().manual_seed(0)
     with open(tmp_path / "corpus.jsonl", "w") as f:

@@ -106,7 +106,7 @@ def test_browser_fills_both_panes(server, ckpts, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 def test_accepted_path_and_bonus_from_the_emitted_tokens():
     from specla_hf.app.demo import accepted_path, tree_figure
-    from specla_hf.drafting import DraftTree
+    from specla_hf.drafters.base import DraftTree
     from tiny_checkpoints import char_tokenizer
 
     #            0:root  1:a  2:b  3:c (child of a)  4:d (child of c)
@@ -120,7 +120,7 @@ def test_accepted_path_and_bonus_from_the_emitted_tokens():
 
 
 def test_segments_colour_drafts_and_the_targets_token():
-    from specla_hf.decoding import SpecLAStats
+    from specla_hf.loop.stats import SpecLAStats
     from specla_hf.app.demo import BONUS, DRAFT, _segments
     from specla_hf.app.runs import Run
     from tiny_checkpoints import char_tokenizer

@@ -1,13 +1,14 @@
-"""Drafting: the tree selection on the device (``DraftBuffers.select_tree``) against the host's
-``DynamicTreeDrafter._select`` (same nodes, order and parents, on random candidate sets with exact score ties and
-certain (log-prob 0) drafts), and proposed trees against what the drafter model predicts."""
+"""Drafting: the tree selection (``select_tree_rows``, on the device without a threshold and on the host with one)
+against a plain Python statement of the rule (same nodes, order and parents, on random candidate sets with exact
+score ties and certain (log-prob 0) drafts), and proposed trees against what the drafter model predicts."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from conftest import tiny_gdn
-from specla_hf.drafting import DraftBuffers, DraftOptions, DynamicTreeDrafter, GDNDrafter, _Candidate
+from specla_hf.drafters.base import DraftBuffers, DraftOptions, DraftTree
+from specla_hf.drafters.small_model import GDNDrafter
 from test_cuda_graphs import emulate_graphs
 
 
@@ -38,29 +39,50 @@ def random_candidates(b: DraftBuffers, depth: int, gen: torch.Generator) -> None
         prev = list(range(base, base + K * K))
 
 
-def host_select(b: DraftBuffers, depths: int, budget: int):
+def rule_select(b: DraftBuffers, depths: int, budget: int, log_threshold: float = float("-inf")) -> DraftTree:
+    """The selection rule written out: drop candidates under the threshold, then take the best by cumulative
+    log-prob (ties: shallower, then earlier), skipping any whose parent is not taken; order them by depth, best
+    first."""
     K = b.topk
     score, token, parent = torch.cat([b.cand[:, 0, :K], b.cand[:, 1:depths].flatten(1)], 1).tolist()
     depth = [1] * K + [d for d in range(2, depths + 1) for _ in range(K * K)]
-    cands = [_Candidate(int(t), int(p), s, dd) for s, t, p, dd in zip(score, token, parent, depth)]
-    return DynamicTreeDrafter._select(int(b.tokens[0]), cands, budget)
+    kept = [i for i in range(len(score)) if score[i] >= log_threshold]
+    keep: list[int] = []
+    for i in sorted(kept, key=lambda i: (-score[i], depth[i], i)):
+        if len(keep) == budget:
+            break
+        if parent[i] < 0 or int(parent[i]) in keep:
+            keep.append(i)
+    order = sorted(keep, key=lambda i: (depth[i], -score[i], i))
+    node = {c: n + 1 for n, c in enumerate(order)}
+    tokens = [int(b.tokens[0])] + [int(token[i]) for i in order]
+    parents = [-1] + [node[int(parent[i])] if parent[i] >= 0 else 0 for i in order]
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor([0.0] + [score[i] for i in order]))
 
 
 @pytest.mark.parametrize("topk,depth,budget", [(1, 6, 6), (3, 4, 10), (4, 6, 31), (4, 6, 200), (2, 5, 1)])
-def test_device_selection_is_the_host_selection(topk, depth, budget):
+def test_tree_selection_follows_the_rule(topk, depth, budget):
     gen = torch.Generator().manual_seed(topk * 100 + depth * 10 + budget)
     b = DraftBuffers(topk, depth, torch.device("cpu"))
+    drafter = GDNDrafter.__new__(GDNDrafter)          # only its host selection (``collect`` after a threshold)
+    drafter.options, drafter.buffers = DraftOptions(depth=depth, topk=topk, budget=budget), b
     for trial in range(20):
         random_candidates(b, depth, gen)
         b.tokens[0] = 7 + trial
         for depths in range(1, depth + 1):
-            want = host_select(b, depths, budget)
-            b.select_tree(depths, budget)
+            want = rule_select(b, depths, budget)
+            b.select_tree(depths, budget)                       # the device selection (no threshold)
             b.queue_tree()
             got = b.read_tree(len(want))
             assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents), (trial, depths)
             assert torch.allclose(got.log_probs, want.log_probs.double())
             assert len(want) == 1 + min(budget, topk + (depths - 1) * topk * topk)
+            log_threshold = -1.0 - 0.5 * (trial % 3)            # the host selection, some candidates pruned
+            want = rule_select(b, depths, budget, log_threshold)
+            drafter._launched = (b.tokens[:1], depths, log_threshold, None)
+            got = drafter.collect()
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents), (trial, depths)
+            assert torch.allclose(got.log_probs, want.log_probs.double())
 
 
 @pytest.mark.parametrize("graphs", [False, True])

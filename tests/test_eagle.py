@@ -15,8 +15,8 @@ from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaLi
 import test_generate
 from conftest import tiny_gdn
 from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig, speculative_decode
-from specla_hf.drafting import DraftBuffers
-from specla_hf.eagle import EagleDrafter
+from specla_hf.drafters.base import DraftBuffers
+from specla_hf.drafters.eagle import EagleDrafter
 from specla_hf.generation import draft_options
 
 
@@ -126,7 +126,7 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     buf.tokens[0] = ids[0, 7]                                    # root: the pending token
     # start consumes positions 0..6, the root (position 6) included, and returns the root's draft distribution
     torch.testing.assert_close(eagle.start(ids[:, :8]), logp_seq[6], **tol)
-    assert eagle.consumed == 7 and eagle.cache.seq_length == 7
+    assert eagle.consumed == 7
     # a depth-1 node: its parent, the root, is in the committed state; it reads the root's output hidden
     buf.tokens[1], buf.parents[1] = ids[0, 8], -1
     eagle.add_nodes(1, torch.tensor([0]))
@@ -140,13 +140,13 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     buf.reset()
     buf.tokens[0] = ids[0, -1]                                   # the new pending token
     torch.testing.assert_close(eagle.start(ids), logp_seq[10], **tol)
-    assert eagle.consumed == 11 and eagle.cache.seq_length == 11
+    assert eagle.consumed == 11
 
 
 def test_one_token_prompt_has_a_zero_feature_root(target, drafter):
     eagle = drafter.candidate_generator(target, DraftOptions(depth=3, topk=2, budget=4))
     tree = eagle.propose(torch.tensor([[5]]))
-    assert len(tree) == 5 and eagle.cache.seq_length == 0
+    assert len(tree) == 5 and eagle.consumed == 0
     eagle.observe([])
     assert eagle.cache.num_pending == 0
 
@@ -184,14 +184,14 @@ def shipped(request):
 def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monkeypatch):
     """Plain greedy with the tree selected on the device runs decoding's device loop, whose host reads each step's
     tokens after the next proposal is queued: EOS inside an accepted block, a stateful stopping criterion, the
-    streamer and exact max_new_tokens behave as in plain decoding, the caches count every committed position, and no
+    streamer and exact max_new_tokens behave as in plain decoding, the drafter counts every committed position, and no
     verify pass runs past the last step."""
-    from specla_hf import decoding
+    from specla_hf.loop import decode
     models, block = shipped
     target, drafter, tok = models.target, models.drafter, models.tokenizer
     used = []
-    loop = decoding._decode_on_device
-    monkeypatch.setattr(decoding, "_decode_on_device", lambda *a, **k: used.append(1) or loop(*a, **k))
+    init = decode.DeviceDriver.__init__
+    monkeypatch.setattr(decode.DeviceDriver, "__init__", lambda self, *a, **k: used.append(1) or init(self, *a, **k))
     ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
     free = target.generate(ids, max_new_tokens=48, do_sample=False)
     assert torch.equal(target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter, tree=True),
@@ -226,7 +226,7 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
         assert torch.equal(out, free[:, :ids.shape[1] + n])
         assert sum(streamed.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
         streamed.chunks = []
-    # the caches: every position the target committed (the last step's whole path), none pending, the drafter level
+    # every position the target committed (the last step's whole path): the drafter level with it, none pending
     runner, caches, verified = GDNRunner(target), [], []
     new_cache, forward = runner.new_cache, runner.forward
     runner.new_cache = lambda batch_size=1: caches.append(new_cache(batch_size)) or caches[-1]
@@ -239,7 +239,7 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
                                           ids.shape[1] + n_new)
     assert torch.equal(seq, free[:, :ids.shape[1] + n_new])
     committed = ids.shape[1] - 1 + sum(a + 1 for a in stats.accepted)
-    assert caches[0].seq_length == eagle.consumed == eagle.cache.seq_length == committed >= seq.shape[1] - 1
+    assert eagle.consumed == committed >= seq.shape[1] - 1
     assert caches[0].num_pending == 0 and eagle.cache.num_pending == 0
     assert sum(verified) == stats.steps                      # every verify pass was a step's
     # the drafter's last tree is the last step's, rooted at that step's pending token (the demo draws it)
@@ -326,7 +326,7 @@ def test_early_stop_read_one_depth_late_gives_the_tree_of_drafting_every_depth(t
 # the training CLI
 # ---------------------------------------------------------------------------------------------------------------
 def test_cpu_smoke_training_lowers_the_loss_resumes_and_drafts_losslessly(tmp_path, capsys):
-    from specla_hf import train_drafter
+    from specla_hf.training import train_drafter
     import lzma
     words = "the of and to in is that for it as with was on be by at this from".split()
     gen = torch.Generator().manual_seed(0)

@@ -222,9 +222,9 @@ def test_sampling_is_lossless(tree):
 
 def test_a_wrong_acceptance_rule_fails_the_sampling_test(monkeypatch):
     """The statistical test has teeth: accepting drafts too eagerly (min(1, 2p)) is detected."""
-    import specla_hf.decoding as decoding
+    import specla_hf.loop.acceptance as acceptance
     real_rand = torch.rand
-    monkeypatch.setattr(decoding.torch, "rand", lambda *a, **k: real_rand(*a, **k) / 2)
+    monkeypatch.setattr(acceptance.torch, "rand", lambda *a, **k: real_rand(*a, **k) / 2)
     torch.manual_seed(99)
     target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
     drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
@@ -257,10 +257,10 @@ def test_gdn_drafter_takes_the_device_loop(target, bad_drafter, tree, monkeypatc
     """A plain GDN drafter with no confidence threshold runs the device loop (its ``catch_up``: a chain verify of the
     emitted tokens): greedy output equals plain decoding for a perfect and a bad drafter, and its cache has consumed
     exactly the positions the target committed."""
-    from specla_hf import decoding
+    from specla_hf.loop import decode
     used = []
-    loop = decoding._decode_on_device
-    monkeypatch.setattr(decoding, "_decode_on_device", lambda *a, **k: used.append(1) or loop(*a, **k))
+    init = decode.DeviceDriver.__init__
+    monkeypatch.setattr(decode.DeviceDriver, "__init__", lambda self, *a, **k: used.append(1) or init(self, *a, **k))
     gen = torch.Generator().manual_seed(5)
     for drafter in (copy.deepcopy(target), bad_drafter):
         ids = torch.randint(0, 97, (1, int(torch.randint(2, 20, (), generator=gen))), generator=gen)
@@ -273,7 +273,7 @@ def test_gdn_drafter_takes_the_device_loop(target, bad_drafter, tree, monkeypatc
                                               False, ids.shape[1] + n_new)
         assert torch.equal(seq, plain)
         committed = ids.shape[1] + sum(a + 1 for a in stats.accepted)    # the prompt, each step's path, the root
-        assert gdn.consumed == gdn.cache.seq_length == committed and gdn.cache.num_pending == 0
+        assert gdn.consumed == committed and gdn.cache.num_pending == 0
         if drafter is not bad_drafter:                      # the catch-up's root log-probs drive the drafts
             assert stats.tau > 2
     assert len(used) == 2
@@ -289,7 +289,8 @@ def _random_tree(n: int, vocab: int, gen: torch.Generator, pad: int) -> tuple[to
 def test_greedy_accept_is_the_host_walk():
     """The device acceptance of the device loop picks the node, path and tokens ``accept_path`` picks: random trees
     (chains, stars, bushy, with padding), argmax that often matches a child, twin siblings."""
-    from specla_hf.decoding import DraftTree, _path_nodes, accept_path, greedy_accept
+    from specla_hf.drafters.base import DraftTree
+    from specla_hf.loop.acceptance import accept_path, greedy_accept
     from specla_kernels.reference import tree_ancestors
     gen = torch.Generator().manual_seed(8)
     seen_lengths = set()
@@ -304,8 +305,8 @@ def test_greedy_accept_is_the_host_walk():
         # each node's argmax: often one of its children's tokens
         argmax = torch.randint(0, 3, (n + pad,), generator=gen)
         tree = DraftTree(tokens[:n], parents[:n], torch.zeros(n))
-        node, emitted, _ = accept_path(tree, None, None, LogitsProcessorList(), False, argmax[:n].tolist())
-        path = _path_nodes(tree, node)
+        walk = accept_path(tree, None, None, LogitsProcessorList(), False, argmax[:n].tolist())
+        node, emitted, path = walk.node, walk.emitted, walk.path
         cap = len(path) + int(torch.randint(0, 3, (), generator=gen))
         acc = greedy_accept(tokens, parents, tree_ancestors(parents[None])[0], argmax, cap)
         assert int(acc.node) == node and int(acc.length) == len(path), trial

@@ -26,7 +26,7 @@ def test_inflated_model_matches_small_model():
 def test_inflated_drafter_drafts_what_the_small_drafter_drafts(kind):
     from specla_hf import SpecLADartConfig, SpecLADartDrafter, SpecLADrafter, SpecLADrafterConfig
     from specla_hf.training.inflate import inflate_pair
-    from specla_hf.ngram import bigram_table
+    from specla_hf.drafters.ngram import bigram_table
     small = tiny_gdn(seed=13, hidden=64, layers=3, heads=2, head_dim=16)
     torch.manual_seed(3)
     if kind == "dart":

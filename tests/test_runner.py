@@ -21,7 +21,6 @@ def test_consuming_tokens_equals_fla_forward(name):
     b = runner.forward(ids[:, 10:11], cache, logits_positions=slice(None)).logits
     c = runner.forward(ids[:, 11:], cache, logits_positions=slice(None)).logits
     torch.testing.assert_close(torch.cat([a, b, c], 1), ref, rtol=1e-4, atol=1e-5)
-    assert cache.get_seq_length() == 23
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -45,7 +44,6 @@ def test_verify_then_commit_equals_token_by_token(name, accept):
 
     ref_cache = runner.new_cache()
     runner.forward(ids[:, :kept], ref_cache)
-    assert cache.get_seq_length() == kept
     for layer, ref_layer in zip(cache.layers, ref_cache.layers):
         torch.testing.assert_close(layer.state, ref_layer.state, rtol=1e-4, atol=1e-5)
         if ref_layer.window is not None:
@@ -153,7 +151,6 @@ def test_fused_decode_step_equals_general_path(name, dtype):
             torch.testing.assert_close(la.state, lb.state, **tol)
             if la.window is not None:
                 torch.testing.assert_close(la.window, lb.window, **tol)
-    assert caches[0].get_seq_length() == 12
 
 
 def test_inputs_wider_than_the_gemv_tile_take_the_general_path(monkeypatch):

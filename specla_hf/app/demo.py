@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from transformers.generation.streamers import BaseStreamer
 
 from specla_hf.app.loading import Models
-from specla_hf.drafting import DraftTree
+from specla_hf.drafters.base import DraftTree
 from specla_hf.generation import CHAIN_DEFAULTS, TREE_DEFAULTS
 from specla_hf.app.prompts import SHIPPED
 from specla_hf.app.runs import DecodeSettings, Run, encode, run_plain, run_specla, warm_up

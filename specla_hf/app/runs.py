@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specla_hf.decoding import SpecLAStats
+from specla_hf.loop.stats import SpecLAStats
 from specla_hf.app.loading import Models
-from specla_hf.drafting import DraftOptions, DraftTree
+from specla_hf.drafters.base import DraftOptions, DraftTree
 from specla_hf.generation import draft_options, make_drafter
 
 

@@ -44,5 +44,11 @@ class TargetAdapter(Protocol):
         state), recording what a commit needs and leaving the committed state untouched. ``hidden_layers``: the
         residual stream after these blocks (0 = embeddings), for target-aligned drafters."""
 
+    def compute(self, inputs, cache, parents: torch.Tensor | None, logits_positions: slice | None,
+                hidden_layers: tuple[int, ...]) -> RunnerOutput:
+        """``forward``'s computation itself, on device tensors in their final shapes (no graph dispatch, no padding,
+        no host inputs): what a captured CUDA graph records, and what drafters call inside their own captured
+        steps."""
+
     def commit(self, cache, path: list[int]) -> None:
         """Keep the pending nodes ``path`` (root first, a root-to-node path) and drop the rest."""

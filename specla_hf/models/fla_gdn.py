@@ -32,8 +32,9 @@ from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
-from specla_hf.cuda_graphs import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, GraphedForward,
-                                   batch_size, num_tokens, pad_tokens, to_device, tree_bucket)
+from specla_hf.models.graphed import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, ForwardGraphs,
+                                      batch_size, num_tokens, pad_tokens, tree_bucket)
+from specla_hf.runtime.transfer import to_device
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
@@ -161,7 +162,7 @@ class GDNRunner:
     """Drive one GDN causal LM over a ``SpecLACache`` (see module docstring).
 
     ``cuda_graphs`` (default: on when the model is on CUDA) replays captured graphs for decode-path calls and pads
-    verified trees to power-of-two buckets with inert dummy nodes (``specla_hf.cuda_graphs``); ``bucket_trees``
+    verified trees to power-of-two buckets with inert dummy nodes (``specla_hf.models.graphed``); ``bucket_trees``
     turns the padding on alone (to test it on CPU).
     """
 
@@ -177,7 +178,7 @@ class GDNRunner:
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
-        self.graphs = (GraphedForward(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
+        self.graphs = (ForwardGraphs(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
                        if cuda_graphs else None)
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
@@ -239,10 +240,10 @@ class GDNRunner:
                 input_ids = pad_tokens(input_ids, pad)
                 parents = F.pad(parents, (0, pad), value=-1)
         if self.graphs is not None and self.graphs.supports(input_ids, parents):
-            out = self.graphs(input_ids, cache, parents, logits_positions, hidden_layers)
+            out = self.graphs.forward(input_ids, cache, parents, logits_positions, hidden_layers)
         else:
             on_device = lambda t: to_device(t, self.device)      # noqa: E731  (callers may pass host tensors)
-            out = self._forward(tree_map(on_device, input_ids), cache, None if parents is None else on_device(parents),
+            out = self.compute(tree_map(on_device, input_ids), cache, None if parents is None else on_device(parents),
                                 logits_positions, hidden_layers)
         if parents is not None and num_tokens(input_ids) != T:
             out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
@@ -277,15 +278,15 @@ class GDNRunner:
         """Keep the verified nodes ``path`` (a root-to-node path, root first): one CUDA-graph replay when they came
         from a graphed verify pass, ``cache.commit`` otherwise."""
         if self.graphs is None or not self.graphs.commit(cache, path):
-            cache.commit(path[-1], path_length=len(path))
+            cache.commit(path[-1])
 
-    def _forward(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
+    def compute(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         if (self.fused_step and parents is None and not hidden_layers and isinstance(input_ids, torch.Tensor)
                 and input_ids.shape == (1, 1)):
             logits = self._decode_step(input_ids, cache)
             return RunnerOutput(logits if logits_positions is None else logits[:, logits_positions], ())
         if parents is None:
-            cache.advance(input_ids.shape[1])
+            cache.check_consumable()
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
@@ -311,7 +312,7 @@ class GDNRunner:
         it, short conv and window shift after it), the recurrence in place, the output projection (gated norm before
         it), the MLP's gate|up (residual add and norm before it) and down projection (SwiGLU before it, residual add
         after it). Rounds where the general path rounds: it computes the same step up to summation order."""
-        cache.advance(1)
+        cache.check_consumable()
         h = self.model.model.embeddings(input_ids).view(-1)
         for block, m, layer in zip(self.blocks, self.mixers, cache.layers):
             proj, conv_weight, conv_bias = fuse_mixer_weights(m)

@@ -107,7 +107,7 @@ def inflate_drafter(drafter, small_target: GatedDeltaNetForCausalLM, big_target:
     target's top layer. It then drafts exactly what the small drafter drafts, at the cost of a drafter of the large
     target's width (one block of the large shape plus the large target's LM head).
     """
-    from specla_hf.dart import SpecLADartDrafter
+    from specla_hf.drafters.dart import SpecLADartDrafter
 
     drafter.check_target(small_target)
     s_cfg, L_s, L_b = drafter.config, small_target.config.num_hidden_layers, big_target.config.num_hidden_layers

@@ -16,7 +16,7 @@
    greedy) on held-out prompts. Checkpoints every ``--save-every-s`` (``--resume`` continues one). The drafter is
    saved in ``--save-dtype`` with ``train_log.json``; the final evaluation compares chain, tree and pruned tree.
 
-``--dart-slots N`` trains a DART parallel drafter instead (``specla_hf.dart``: the root as pass 1 above, then ``N``
+``--dart-slots N`` trains a DART parallel drafter instead (``specla_hf.drafters.dart``: the root as pass 1 above, then ``N``
 mask slots after random branch points, each against the target's distribution further on; its tree's bigram is
 counted from the training sequences and ``--bigram-docs`` corpus documents); ``--init-from`` an EAGLE drafter starts
 it from those weights.
@@ -27,7 +27,7 @@ more such runs instead of writing new ones (the target's text written on a CPU, 
 
 Hugging Face's ``hidden_states[i]`` is the input of block ``i`` (= ``GDNRunner`` layer ``i``) for ``i < L``; its last
 entry is the top block's output after the final norm, which ``EagleDrafter`` reproduces at decode time by applying
-the target's norm to ``GDNRunner`` layer ``L`` (see ``specla_hf.eagle``).
+the target's norm to ``GDNRunner`` layer ``L`` (see ``specla_hf.drafters.eagle``).
 
 On the GPU the drafter's gated delta rule runs through ``specla_kernels.chunk`` (``use_backend(delta_rule="torch")``):
 fla's chunk backward is refused on Hopper with Triton 3.6. The target's forward (no gradient) stays on fla's kernels.
@@ -51,10 +51,10 @@ from transformers import (AutoModelForCausalLM, LogitsProcessorList, MaxLengthCr
                           StoppingCriteriaList)
 
 from specla_hf.models.fla_backend import use_backend
-from specla_hf.decoding import speculative_decode
-from specla_hf.dart import SpecLADartConfig, SpecLADartDrafter
-from specla_hf.eagle import SpecLADrafter, SpecLADrafterConfig
-from specla_hf.ngram import bigram_table
+from specla_hf.loop.decode import speculative_decode
+from specla_hf.drafters.dart import SpecLADartConfig, SpecLADartDrafter
+from specla_hf.drafters.eagle import SpecLADrafter, SpecLADrafterConfig
+from specla_hf.drafters.ngram import bigram_table
 from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.generation import draft_options
 
@@ -203,7 +203,7 @@ def drafter_loss(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: to
 
 def dart_loss(drafter: SpecLADartDrafter, target: GatedDeltaNetForCausalLM, x: torch.Tensor, hard_weight: float,
               amp, branches: int, rng: random.Random) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DART drafter's loss on token rows ``x [B, T]`` (``specla_hf.dart``): sequence-mode passes over drafter
+    """The DART drafter's loss on token rows ``x [B, T]`` (``specla_hf.drafters.dart``): sequence-mode passes over drafter
     positions ``0..t`` followed by the mask slots, at ``branches`` branch points ``t`` (the last possible one and
     random others). Positions ``0..t`` of the longest pass are trained as EAGLE's first pass (the root's depth-1
     distribution); slot ``j`` after position ``t`` against the target's distribution at position ``t + 1 + j``
@@ -239,7 +239,7 @@ def dart_loss(drafter: SpecLADartDrafter, target: GatedDeltaNetForCausalLM, x: t
 
 def text_bigram(sequences: torch.Tensor, tokenizer: PreTrainedTokenizerFast, texts: list[str],
                 config: SpecLADartConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The DART tree's bigram (``specla_hf.ngram.bigram_table``) of the target-written ``sequences`` and the corpus
+    """The DART tree's bigram (``specla_hf.drafters.ngram.bigram_table``) of the target-written ``sequences`` and the corpus
     documents ``texts``: the target's own text, as the drafter's labels are, and enough corpus text that the
     successors of rarer tokens are counted at all."""
     docs = [torch.tensor(ids) for i in range(0, len(texts), 256) for ids in tokenizer(texts[i:i + 256])["input_ids"]]
@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hard-weight", type=float, default=0.5, help="weight of the greedy-token cross-entropy")
     ap.add_argument("--hidden-ratio", type=int, default=2, help="drafter MLP width / hidden size")
     ap.add_argument("--feature-layers", type=int, nargs="+", help="GDNRunner numbering (default: low, mid, top)")
-    ap.add_argument("--dart-slots", type=int, default=0, help="train a DART parallel drafter (specla_hf.dart) with "
+    ap.add_argument("--dart-slots", type=int, default=0, help="train a DART parallel drafter (specla_hf.drafters.dart) with "
                     "this many mask slots (depths 2 .. slots + 1 from one pass); 0: the EAGLE drafter")
     ap.add_argument("--branches", type=int, default=4, help="DART: slot branch points per training row and step")
     ap.add_argument("--ngram-weight", type=float, default=0.25, help="DART: weight of the bigram in the tree")

@@ -1,7 +1,7 @@
 """A bigram model of a token corpus, compact enough to ship inside a drafter checkpoint: for every token its ``topk``
 most frequent successors with their smoothed log-probabilities, and one floor log-probability for the others.
 
-The DART drafter (``specla_hf.dart``) drafts every depth from one pass, each depth's distribution blind to the
+The DART drafter (``specla_hf.drafters.dart``) drafts every depth from one pass, each depth's distribution blind to the
 tokens drafted before it; the bigram couples consecutive tree levels ("n-gram-enforced continuity"). It is built
 from the text the drafter is trained on (``bigram_table``) and read on the device in static shapes
 (``bigram_logp``), so a tree's construction stays inside the drafter's CUDA graphs.

@@ -20,6 +20,15 @@ feature of the position before it). So a drafter's ``start`` normally consumes i
 together with the positions it catches up on, in the same call, and returns its draft distribution: depth 1 then
 needs no drafter pass of its own, and the root's children hang off the committed state (parent ``-1``) in the later
 passes, where slot 0 stays an inert node nobody descends from.
+
+What the decoding loop uses of a drafter (``specla_hf.loop.decode``): ``launch`` a proposal after a sequence,
+``device_tree`` (the proposal selected on the device, to verify before the host reads it) or ``collect`` (the tree on
+the host), ``add_features`` (target hidden states of committed positions, for ``feature_layers``), ``observe`` (how
+many drafts were accepted); and for the device loop ``catch_up`` / ``launch_caught_up`` / ``advance``
+(``catches_up_on_device``). A subclass provides ``start``, ``score`` and ``add_nodes`` (how one drafter pass scores the
+tree built so far) and its ``_new_buffers`` when it keeps per-node inputs. transformers' ``CandidateGenerator``
+contract (a flat list of candidate tokens, the target's cache cropped after rejection) cannot express a tree or a
+recurrent target, so these drafters do not implement it.
 """
 from __future__ import annotations
 
@@ -27,9 +36,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.candidate_generator import CandidateGenerator
 
-from specla_hf.cuda_graphs import MAX_TREE_BUCKET, HostCopy, capture_or_warn, copy_in, tree_bucket
+from specla_hf.models.graphed import MAX_TREE_BUCKET, tree_bucket
+from specla_hf.runtime.transfer import HostCopy, copy_in
 from specla_kernels import ops
 
 
@@ -74,6 +83,7 @@ class DraftBuffers:
     Nodes: 0 is the root; depth ``d``'s step expands ``topk`` nodes into slots ``1 + K(d-1) .. 1 + Kd``. Candidates:
     depth ``d``'s ``F x K`` children (``F`` = 1 at depth 1, else ``K``) in row ``d - 1``. Row ``d`` of the frontier
     arrays is written by depth ``d``'s step and read by the next, so a step can be re-run (warm-up, capture) safely.
+    Drafters that keep more per node subclass it (``DynamicTreeDrafter._new_buffers``).
     """
 
     def __init__(self, topk: int, depth: int, device: torch.device):
@@ -92,8 +102,7 @@ class DraftBuffers:
         # the selected tree (``select_tree``): tokens, parents, cumulative log-probs; long copies feed the verify pass,
         # the float64 rows are read back to the host in one transfer
         most = 1 + K + (depth - 1) * K * K                 # the root and every candidate
-        self.cand_depth = torch.tensor([1] * K + [d for d in range(2, depth + 1) for _ in range(K * K)],
-                                       dtype=torch.float64, device=device)
+        self.cand_depth = candidate_depths(K, depth).to(device)
         self.tree = torch.zeros(3, most, dtype=torch.float64, device=device)
         self.tree_tokens = torch.zeros(most, dtype=torch.long, device=device)
         self.tree_parents = torch.full((most,), -1, dtype=torch.long, device=device)
@@ -116,29 +125,22 @@ class DraftBuffers:
         """Padding slots must stay inert (children of the committed state) whatever an earlier proposal wrote."""
         self.parents.fill_(-1)
 
-    def select_tree(self, depths: int, budget: int) -> None:
-        """``DynamicTreeDrafter._select`` of every candidate of depths ``1..depths`` (no threshold), on the device:
-        the ``min(budget, candidates)`` best by cumulative log-prob (ties: shallower, then earlier candidate), in
-        topological order (by depth, best first), parents renumbered; root = ``tokens[0]``. Static shapes for a given
-        ``depths``, no host synchronisation (it is captured as a CUDA graph). A parent always ranks above its children
-        (they score no higher and are deeper), so the selection is prefix-closed without a check."""
+    def candidates(self, depths: int) -> torch.Tensor:
+        """Every candidate of depths ``1..depths``, numbered depth by depth: rows score, token, parent index."""
         K = self.topk
-        C = K + (depths - 1) * K * K
-        n = min(budget, C)
-        score, token, parent = torch.cat([self.cand[:, 0, :K], self.cand[:, 1:depths].flatten(1)], 1).unbind(0)
-        # by score, ties by index: candidates are numbered depth by depth, so that is also "shallower first"
-        chosen = torch.sort(score, descending=True, stable=True).indices[:n]
-        chosen = chosen[torch.sort(self.cand_depth[chosen], stable=True).indices]
-        node = torch.zeros(C, dtype=torch.long, device=score.device)
-        node[chosen] = torch.arange(1, n + 1, device=score.device)
-        up = parent[chosen].long()
+        return torch.cat([self.cand[:, 0, :K], self.cand[:, 1:depths].flatten(1)], 1)
+
+    def select_tree(self, depths: int, budget: int) -> None:
+        """``select_tree_rows`` of every candidate of depths ``1..depths`` (no threshold) into ``tree``, on the device,
+        in static shapes and without host synchronisation (it is captured as a CUDA graph); root = ``tokens[0]``."""
+        K = self.topk
+        n = min(budget, K + (depths - 1) * K * K)
+        score, token, parent = self.candidates(depths).unbind(0)
         self.tree[0, :1] = self.tokens[:1]
         # fill_, not item assignment: assigning a Python number copies a host scalar tensor, which a capture refuses
         self.tree[1, :1].fill_(-1)
         self.tree[2, :1].fill_(0)
-        self.tree[0, 1:n + 1] = token[chosen]
-        self.tree[1, 1:n + 1] = torch.where(up >= 0, node[up.clamp(min=0)], 0)
-        self.tree[2, 1:n + 1] = score[chosen]
+        select_tree_rows(score, token, parent, self.cand_depth[:score.shape[0]], n, self.tree)
         self.tree_tokens[:n + 1] = self.tree[0, :n + 1]
         self.tree_parents[:n + 1] = self.tree[1, :n + 1]
 
@@ -159,18 +161,34 @@ class DraftBuffers:
         return _tree_of_rows(self.verified[:, :n].cpu())
 
 
+def candidate_depths(topk: int, depth: int) -> torch.Tensor:
+    """The draft depth of each candidate in ``DraftBuffers.candidates`` order (float64, as the candidate rows)."""
+    return torch.tensor([1] * topk + [d for d in range(2, depth + 1) for _ in range(topk * topk)], dtype=torch.float64)
+
+
+def select_tree_rows(score: torch.Tensor, token: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, n: int,
+                     out: torch.Tensor) -> None:
+    """The draft tree to verify: the ``n`` best candidates by cumulative log-prob (ties: the earlier candidate, i.e.
+    the shallower), in topological order (by depth, best first), parents renumbered to tree nodes; written to
+    ``out[:, 1:n + 1]`` (rows: tokens, parents, cumulative log-probs; column 0 is the root's). Candidates are numbered
+    depth by depth and ``parent`` indexes them (-1: a child of the root). A parent always ranks above its children
+    (they score no higher and come later), so the selection is prefix-closed without a check. The one selection rule,
+    run on the device (no threshold) and on the host (a threshold, its pruned candidates scored -inf)."""
+    C = score.shape[0]
+    chosen = torch.sort(score, descending=True, stable=True).indices[:n]
+    chosen = chosen[torch.sort(depth[chosen], stable=True).indices]
+    node = torch.zeros(C, dtype=torch.long, device=score.device)
+    node[chosen] = torch.arange(1, n + 1, device=score.device)
+    up = parent[chosen].long()
+    out[0, 1:n + 1] = token[chosen]
+    out[1, 1:n + 1] = torch.where(up >= 0, node[up.clamp(min=0)], 0)
+    out[2, 1:n + 1] = score[chosen]
+
+
 def _tree_of_rows(rows: torch.Tensor) -> DraftTree:
     """A ``DraftTree`` of the host rows ``[3, n]`` (tokens, parents, cumulative log-probs) the selection writes."""
     tokens, parents, log_probs = rows
     return DraftTree(tokens.long(), parents.long(), log_probs.clone())
-
-
-@dataclass
-class _Candidate:
-    token: int
-    parent: int        # index into the candidate list, -1 for children of the root
-    log_prob: float    # cumulative
-    depth: int
 
 
 @dataclass
@@ -191,12 +209,15 @@ class AcceptanceCalibration:
             self.history.append(self.ratio)
 
 
-class DynamicTreeDrafter(CandidateGenerator):
+class DynamicTreeDrafter:
     """EAGLE-2-style dynamic tree drafting with confidence pruning (see module docstring)."""
 
     # target layers whose hidden states the drafter reads (0 = embeddings, i = after block i); empty for drafters
     # that only see tokens
     feature_layers: tuple[int, ...] = ()
+    # whether the drafter implements ``catch_up`` and ``advance``: the device loop then runs whenever its tree is
+    # selected on the device (``device_tree``, no confidence threshold)
+    catches_up_on_device: bool = False
 
     def __init__(self, options: DraftOptions):
         self.options = options
@@ -204,11 +225,12 @@ class DynamicTreeDrafter(CandidateGenerator):
         self.depth = options.depth
         self.last_tree: DraftTree | None = None
         self.last_pruned = 0   # candidate nodes dropped by the threshold in the last proposal
+        self.buffers: DraftBuffers | None = None
 
     # ---- what a subclass provides ----
-    runner = None            # the drafter's runner (GDNRunner or alike): its ``graphs`` say whether to use graphs
-    cache = None             # its SpecLACache, and how many sequence positions its committed state holds
-    consumed = 0
+    runner = None            # the drafter's adapter: its ``graphs`` say whether to use CUDA graphs
+    cache = None             # its SpecLACache
+    consumed = 0             # sequence positions in its committed state
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
         """Catch the drafter's committed state up on ``input_ids``. Normally the pending token (``input_ids``' last,
@@ -232,11 +254,24 @@ class DynamicTreeDrafter(CandidateGenerator):
         committed, in order: all ``T`` (prefill), or the nodes ``positions`` of a verify pass (the accepted path).
         Only target-aligned drafters (``feature_layers`` set) use them."""
 
+    def _new_buffers(self) -> DraftBuffers:
+        """This drafter's static tree buffers (a subclass that keeps more per node returns its own kind)."""
+        return DraftBuffers(self.options.topk, self.options.depth, self.runner.device)
+
     # ---- the expansion ----
     @property
     def threshold(self) -> float:
         base = self.options.threshold
         return min(base / self.calibration.ratio, 0.99) if self.options.adaptive else base
+
+    def _buffers(self) -> DraftBuffers:
+        """This drafter's buffers; with CUDA graphs, the runner's (the step graphs are bound to them), shared by every
+        generate() call of the same tree shape."""
+        if self.buffers is None:
+            graphs = self.runner.graphs
+            key = ("draft buffers", type(self).__name__, self.options.topk, self.options.depth)
+            self.buffers = self._new_buffers() if graphs is None else graphs.static(key, self._new_buffers)
+        return self.buffers
 
     def _depth_step(self, d: int, root_consumed: bool) -> None:
         """Depth ``d`` of a proposal on ``self.buffers`` (idempotent, static shapes; see ``DraftBuffers``)."""
@@ -261,17 +296,8 @@ class DynamicTreeDrafter(CandidateGenerator):
         first use, per buffers and ``key``), else eagerly."""
         if self.runner.graphs is None:
             step()
-            return
-        graphs = self.runner.__dict__.setdefault("_draft_step_graphs", {})
-        key = (id(self.buffers), *key)
-        if key not in graphs:
-            graphs[key] = capture_or_warn(step, what, "it runs eagerly", self.runner.graphs.emulate)
-            if graphs[key] is None:
-                self.cache.discard()          # an interrupted capture may leave nodes pending
-        if graphs[key] is None:
-            step()
-        else:
-            graphs[key].replay()
+        else:          # an interrupted capture may leave nodes pending: ``discard`` is its undo
+            self.runner.graphs.call((id(self.buffers), *key), step, what, between=self.cache.discard)
 
     def propose(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> DraftTree:
         """Draft a tree after ``input_ids`` (``launch`` then ``collect``)."""
@@ -287,7 +313,7 @@ class DynamicTreeDrafter(CandidateGenerator):
         score is read back one depth late (the host waits for depth ``d - 1`` while depth ``d`` runs), and the extra
         depth costs nothing in the tree: its candidates score no higher than their parents, so ``collect`` prunes
         them all."""
-        b = self.buffers = self._buffers()
+        b = self._buffers()
         b.reset()
         copy_in(b.tokens[:1], input_ids[0, -1:])
         root_logp = self.start(input_ids)
@@ -295,15 +321,11 @@ class DynamicTreeDrafter(CandidateGenerator):
             self._root_logp(root_logp.shape[-1]).copy_(root_logp)
         self._expand(root_logp is not None, max_depth, input_ids[0, -1:])
 
-    # ---- proposals the host does not wait for (``speculative_decode``'s device loop) ----
-    # whether the drafter implements ``catch_up`` and ``advance``: the device loop then runs whenever its tree is
-    # selected on the device (``device_tree``, no confidence threshold)
-    catches_up_on_device: bool = False
-
+    # ---- proposals the host does not wait for (the device loop) ----
     def catch_up(self, features: tuple[torch.Tensor, ...], accepted) -> None:
-        """``add_features`` and ``start`` after a step whose accepted path (``decoding.DeviceAcceptance``) is known
-        only on the device, in static shapes and without host synchronisation (the device loop captures it in a CUDA
-        graph with the step's acceptance); ``launch_caught_up`` then drafts from the new root."""
+        """``add_features`` and ``start`` after a step whose accepted path (``loop.acceptance.DeviceAcceptance``) is
+        known only on the device, in static shapes and without host synchronisation (the device loop captures it in
+        a CUDA graph with the step's acceptance); ``launch_caught_up`` then drafts from the new root."""
         raise NotImplementedError
 
     def launch_caught_up(self) -> None:
@@ -312,14 +334,13 @@ class DynamicTreeDrafter(CandidateGenerator):
 
     def advance(self, n: int) -> None:
         """The host learns that the step of the last ``catch_up`` emitted ``n`` tokens: that many positions more are
-        in the drafter's committed state (``consumed`` and its cache's length)."""
+        in the drafter's committed state."""
         self.consumed += n
-        self.cache.seq_length += n
 
     def _root_from(self, accepted, last: torch.Tensor, logp: torch.Tensor) -> None:
         """``catch_up``'s end: commit the accepted path's ``last`` node of the chain just verified (``advance`` counts
         the positions), whose draft log-probs ``logp`` are the next root's, and make its token (the bonus) the root."""
-        self.cache.commit(last, path_length=0, path=(self.buffers.chain_path, accepted.length))
+        self.cache.commit(last, path=(self.buffers.chain_path, accepted.length))
         self._root_logp(logp.shape[-1]).copy_(logp)
         self.buffers.tokens[:1].copy_(accepted.emitted.index_select(0, last))
 
@@ -364,52 +385,25 @@ class DynamicTreeDrafter(CandidateGenerator):
 
     def collect(self) -> DraftTree:
         """The launched proposal's tree: read back as selected on the device, or one host transfer of every depth's
-        candidates, then the global selection."""
+        candidates, then the same selection on the host with the candidates under the threshold pruned (their
+        descendants score no higher, so they go too)."""
         root, depths, log_threshold, selected = self._launched
         if selected is not None:
             tree = self.buffers.read_tree(selected)
             self.last_tree, self.last_pruned = tree, 0
             return tree
-        K = self.options.topk
-        score_l = token_l = parent_l = []
+        rows = torch.tensor([[float(int(root))], [-1.0], [0.0]], dtype=torch.float64)
+        pruned = 0
         if depths:               # no depth at all when the sequence is one token short of its length limit
-            cand = self.buffers.cand.cpu()              # depth 1 fills K of its K * K slots
-            score_l, token_l, parent_l = torch.cat([cand[:, 0, :K], cand[:, 1:depths].flatten(1)], 1).tolist()
-        depth_l = [1] * min(K, len(score_l)) + [d for d in range(2, depths + 1) for _ in range(K * K)]
-        # candidates under the threshold are never submitted; their descendants score no higher, so they go too
-        keep = [i for i, lp in enumerate(score_l) if lp >= log_threshold]
-        index = {i: j for j, i in enumerate(keep)}
-        cands = [_Candidate(int(token_l[i]), index[int(parent_l[i])] if parent_l[i] >= 0 else -1, score_l[i],
-                            depth_l[i]) for i in keep]
-        tree = self._select(int(root.item()), cands, self.options.budget)
-        self.last_tree, self.last_pruned = tree, len(score_l) - len(keep)
+            score, token, parent = self.buffers.candidates(depths).cpu()
+            keep = score >= log_threshold
+            n, pruned = min(self.options.budget, int(keep.sum())), int((~keep).sum())
+            rows = torch.cat([rows, rows.new_empty(3, n)], 1)
+            select_tree_rows(score.masked_fill(~keep, float("-inf")), token, parent,
+                             candidate_depths(self.options.topk, depths), n, rows)
+        tree = _tree_of_rows(rows)
+        self.last_tree, self.last_pruned = tree, pruned
         return tree
-
-    def _buffers(self) -> DraftBuffers:
-        """This drafter's buffers, kept on its runner (with the step graphs bound to them) across generate calls."""
-        pool = self.runner.__dict__.setdefault("_draft_buffers", {})
-        key = (self.options.topk, self.options.depth)
-        if key not in pool:
-            pool[key] = DraftBuffers(self.options.topk, self.options.depth, self.runner.device)
-        return pool[key]
-
-    @staticmethod
-    def _select(root_token: int, cands: list[_Candidate], budget: int) -> DraftTree:
-        """Global top-``budget`` by cumulative log-prob (ties: shallower, then earlier candidate), kept prefix-closed;
-        topological order (depth, best first). ``DraftBuffers.select_tree`` is the same rule on the device."""
-        order = sorted(range(len(cands)), key=lambda i: (-cands[i].log_prob, cands[i].depth))
-        keep: set[int] = set()
-        for i in order:
-            if len(keep) == budget:
-                break
-            if cands[i].parent < 0 or cands[i].parent in keep:
-                keep.add(i)
-        kept = sorted(keep, key=lambda i: (cands[i].depth, -cands[i].log_prob, i))
-        index = {c: n + 1 for n, c in enumerate(kept)}
-        tokens = [root_token] + [cands[i].token for i in kept]
-        parents = [-1] + [index[cands[i].parent] if cands[i].parent >= 0 else 0 for i in kept]
-        logps = [0.0] + [cands[i].log_prob for i in kept]
-        return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(logps))
 
     def observe(self, accepted_tokens: list[int]) -> None:
         """After verification: adapt threshold and depth to how many drafts were accepted. (Drafters keep nothing
@@ -423,59 +417,6 @@ class DynamicTreeDrafter(CandidateGenerator):
         # HF's "heuristic" schedule, bounded by the configured depth
         self.depth = min(self.depth + 2, self.options.depth) if full else max(self.depth - 1, 2)
 
-    # ---- transformers' CandidateGenerator interface (a chain of the best path) ----
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, None]:
-        tree = self.propose(input_ids)
-        node, path = 0, []
-        while tree.children[node]:
-            node = tree.children[node][0]
-            path.append(tree.tokens[node].item())
-        return torch.cat([input_ids, torch.tensor([path], dtype=input_ids.dtype, device=input_ids.device)], 1), None
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        self.observe(input_ids[0, input_ids.shape[1] - num_matches - 1: input_ids.shape[1] - 1].tolist())
-
 
 def _log(p: float) -> float:
     return float("-inf") if p <= 0 else math.log(p)
-
-
-class GDNDrafter(DynamicTreeDrafter):
-    """A small GDN language model as drafter (the classic assistant), with its own SpecLACache: ``start`` consumes the
-    tokens it has not seen, the root included (sequence mode), ``score`` verifies the draft tree from its committed
-    state."""
-
-    def __init__(self, drafter_model, options: DraftOptions):
-        from specla_hf.models import adapter_for
-        super().__init__(options)
-        self.runner = adapter_for(drafter_model, role="drafter")
-        self.cache = self.runner.new_cache(1)
-        self.consumed = 0                    # tokens of input_ids in the drafter's committed state
-
-    def start(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        # every step emits at least one token, so the sequence always holds tokens the drafter has not consumed
-        if self.consumed >= input_ids.shape[1]:
-            raise RuntimeError("the drafter is ahead of the sequence: was one drafter shared by two generations?")
-        out = self.runner.forward(input_ids[:, self.consumed:], self.cache, logits_positions=slice(-1, None))
-        self.consumed = input_ids.shape[1]                 # the root included
-        return torch.log_softmax(out.logits[0, -1], -1, dtype=torch.float32)
-
-    def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
-        b = self.buffers
-        out = self.runner._forward(b.tokens[None, :n], self.cache, b.parents[None, :n], rows, ())
-        self.cache.discard()
-        return torch.log_softmax(out.logits[0], -1, dtype=torch.float32)     # fp32 in one kernel, no cast copy
-
-    # ---- steps accepted on the device (``speculative_decode``'s device loop) ----
-    catches_up_on_device = True
-
-    def catch_up(self, features: tuple[torch.Tensor, ...], accepted) -> None:
-        """``start`` for a path accepted on the device (``accepted``: a ``DeviceAcceptance``), in static shapes: the
-        emitted tokens (``depth + 1`` slots, padded) are verified as a chain from the committed state, the path's
-        last node (the bonus token, the next root) is committed and its draft log-probs become the root's (the LM
-        head runs on that slot only). The same recurrence as ``start``'s sequence mode, up to summation order."""
-        b = self.buffers = self._buffers()
-        b.reset()
-        last = accepted.length - 1
-        out = self.runner._forward(accepted.emitted[None], self.cache, b.chain, last, ())
-        self._root_from(accepted, last, torch.log_softmax(out.logits[0, 0], -1, dtype=torch.float32))

@@ -29,13 +29,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from fla.models import GatedDeltaNetConfig
 from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
-from specla_hf.cuda_graphs import DRAFT_SEQ_TOKENS, GraphedForward, capture_or_warn, copy_in, to_device
-from specla_hf.drafting import DraftOptions, DynamicTreeDrafter
+from specla_hf.drafters.base import DraftBuffers, DraftOptions, DynamicTreeDrafter
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, ForwardGraphs
+from specla_hf.runtime.transfer import copy_in, to_device
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.fla_gdn import GDNRunner
 
@@ -196,7 +197,7 @@ class _BlockRunner(GDNRunner):
         self.mixers = [drafter.block.attn]
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        self.graphs = GraphedForward(self, max_seq_tokens=DRAFT_SEQ_TOKENS) if cuda_graphs else None
+        self.graphs = ForwardGraphs(self, max_seq_tokens=DRAFT_SEQ_TOKENS) if cuda_graphs else None
         self.bucket_trees = cuda_graphs
         self._caches = {}
 
@@ -208,10 +209,10 @@ class _BlockRunner(GDNRunner):
             drafter.__dict__["_specla_runner"] = runner
         return runner
 
-    def _forward(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
+    def compute(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         fused, tokens, *more = inputs                 # more: what the drafter's block_input takes beyond these
         if parents is None:
-            cache.advance(tokens.shape[1])
+            cache.check_consumable()
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
@@ -223,6 +224,15 @@ class _BlockRunner(GDNRunner):
         top = h if logits_positions is None else h[:, logits_positions]
         logits = self.lm_head(self.model.norm(top))
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (h,))    # fp32, no cast copy
+
+
+class EagleBuffers(DraftBuffers):
+    """The shared tree buffers plus, per slot, the node's input feature and its output hidden state."""
+
+    def __init__(self, topk: int, depth: int, device: torch.device, hidden_size: int, dtype: torch.dtype):
+        super().__init__(topk, depth, device)
+        self.fused = torch.zeros(1, self.capacity, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(self.capacity, hidden_size, dtype=dtype, device=device)
 
 
 class EagleDrafter(DynamicTreeDrafter):
@@ -272,35 +282,28 @@ class EagleDrafter(DynamicTreeDrafter):
         graph per path length): the fusion's ~10 small kernels cost more host time than GPU time. ``None`` if that
         length's capture failed."""
         n, cap = len(positions), self.options.depth + 1
-        graphs = self.runner.__dict__.setdefault("_feature_graphs", {}).setdefault(cap, {})
-        if not graphs:
-            # every path length at once (none is then captured mid-generation), reading gather buffers they share
-            raw = graphs["raw"] = [f.new_empty(1, cap, f.shape[-1]) for f in features]
+        graphs = self.runner.graphs
+        raw = graphs.static(("fuse inputs", cap), lambda: [f.new_empty(1, cap, f.shape[-1]) for f in features])
+        on_path = graphs.static(("fuse path", cap), lambda: [torch.zeros(length, dtype=torch.long,
+                                                                          device=self.features.device)
+                                                              for length in range(cap + 1)])
+        if ("fuse", cap, n) not in graphs.calls:
+            # every path length at once (none is then captured mid-generation), reading the gather buffers they share
             for length in range(1, cap + 1):
-                out = {}
-
-                def fuse(length=length, out=out):
-                    out["fused"] = self._fuse(tuple(r[:, :length] for r in raw))
-                graph = capture_or_warn(fuse, "the drafter's feature fusion", "fusing eagerly",
-                                        self.runner.graphs.emulate)
-                graphs[length] = (graph, out, torch.zeros(length, dtype=torch.long, device=self.features.device))
-        graph, out, on_path = graphs[n]
-        if graph is None:
+                graphs.capture(("fuse", cap, length), lambda length=length: self._fuse(tuple(r[:, :length]
+                                                                                        for r in raw)),
+                               "the drafter's feature fusion")
+        static = graphs.calls[("fuse", cap, n)]
+        if static is None:
             return None
-        copy_in(on_path, torch.tensor(positions))
-        for r, f in zip(graphs["raw"], features):
-            torch.index_select(f, 1, on_path, out=r[:, :n])
-        graph.replay()
-        return out["fused"]
+        copy_in(on_path[n], torch.tensor(positions))
+        for r, f in zip(raw, features):
+            torch.index_select(f, 1, on_path[n], out=r[:, :n])
+        return static.replay()
 
-    def _buffers(self):
-        """The shared tree buffers plus, per slot, the node's input feature and its output hidden state."""
-        b = super()._buffers()
-        if not hasattr(b, "fused"):
-            H = self.drafter.config.hidden_size
-            b.fused = torch.zeros(1, b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
-            b.hidden = torch.zeros(b.capacity, H, dtype=self.drafter.dtype, device=self.drafter.device)
-        return b
+    def _new_buffers(self) -> EagleBuffers:
+        return EagleBuffers(self.options.topk, self.options.depth, self.drafter.device,
+                            self.drafter.config.hidden_size, self.drafter.dtype)
 
     def start(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
         committed = input_ids.shape[1] - 1               # target positions in the target's state
@@ -325,7 +328,7 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
         b = self.buffers
-        out = self.runner._forward((b.fused[:, :n], b.tokens[None, :n]), self.cache, b.parents[None, :n], rows, ())
+        out = self.runner.compute((b.fused[:, :n], b.tokens[None, :n]), self.cache, b.parents[None, :n], rows, ())
         self.cache.discard()
         b.hidden[:n] = out.hidden_states[0][0]
         return out.logits[0]
@@ -344,14 +347,19 @@ class EagleDrafter(DynamicTreeDrafter):
         committed), commits the path's last node and sets the root of the next proposal from it. The chain verify
         replaces ``start``'s sequence-mode catch-up: the same recurrence, up to summation order. The LM head runs on
         the last node's slot only."""
-        b = self.buffers = self._buffers()
+        b = self._buffers()
         b.reset()
         fused = self._fuse(tuple(f.index_select(1, accepted.path) for f in features))
         last = accepted.length - 1
-        out = self.runner._forward((fused, accepted.emitted[None]), self.cache, b.chain, last, ())
+        out = self.runner.compute((fused, accepted.emitted[None]), self.cache, b.chain, last, ())
         self._root_from(accepted, last, out.logits[0, 0])
         b.hidden[0].copy_(out.hidden_states[0][0].index_select(0, last)[0])     # what the root's children read
 
 
-AutoConfig.register(SpecLADrafterConfig.model_type, SpecLADrafterConfig)
-AutoModelForCausalLM.register(SpecLADrafterConfig, SpecLADrafter)
+def register_auto_classes() -> None:
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load a saved ``SpecLADrafter`` (``import specla_hf`` runs this once
+    transformers' Auto classes are imported)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig.register(SpecLADrafterConfig.model_type, SpecLADrafterConfig, exist_ok=True)
+    AutoModelForCausalLM.register(SpecLADrafterConfig, SpecLADrafter, exist_ok=True)

@@ -1,12 +1,12 @@
 """A DART-style parallel drafter: every draft depth from one drafter pass, the tree guided by a bigram model.
 
-The EAGLE drafter (``specla_hf.eagle``) runs one drafter pass per depth, each node fed its parent's output. DART
+The EAGLE drafter (``specla_hf.drafters.eagle``) runs one drafter pass per depth, each node fed its parent's output. DART
 (Liu et al., 2026) instead appends ``draft_slots`` learned mask inputs after the root and reads depth ``d + 1``'s
 distribution off slot ``d`` in the same pass. On a GDN drafter the slots are a chain of pending nodes verified from
 the committed state (the root already consumed by ``start``): a proposal is ``start`` (catch-up + root: depth 1)
 and one chain pass of ``draft_slots`` nodes (depths 2 .. slots + 1), instead of ``start`` and ``depth - 1`` tree
 passes. Each depth's distribution is blind to the tokens drafted above it, so the tree couples consecutive levels
-with a bigram model of the training text (``specla_hf.ngram``), stored in the checkpoint:
+with a bigram model of the training text (``specla_hf.drafters.ngram``), stored in the checkpoint:
 
     q(x | parent a, depth d) = P_M · softmax_{x ∈ top-M of p_d}( log p_d(x) + λ log P_bigram(x | a) )
 
@@ -27,11 +27,10 @@ import math
 import torch
 import torch.nn as nn
 
-from specla_hf.drafting import DraftOptions
-from specla_hf.eagle import EagleDrafter, SpecLADrafter, SpecLADrafterConfig
-from specla_hf.ngram import bigram_logp
+from specla_hf.drafters.base import DraftOptions
+from specla_hf.drafters.eagle import EagleBuffers, EagleDrafter, SpecLADrafter, SpecLADrafterConfig
+from specla_hf.drafters.ngram import bigram_logp
 from specla_kernels import ops
-from transformers import AutoConfig, AutoModelForCausalLM
 
 
 class SpecLADartConfig(SpecLADrafterConfig):
@@ -68,7 +67,7 @@ class SpecLADartDrafter(SpecLADrafter):
         self.register_buffer("ngram_floor", torch.full((V,), -math.log(V)))
 
     def set_bigram(self, table: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """Install a ``specla_hf.ngram.bigram_table`` of this config's vocabulary and ``ngram_topk``."""
+        """Install a ``specla_hf.drafters.ngram.bigram_table`` of this config's vocabulary and ``ngram_topk``."""
         nxt, logp, floor = table
         if nxt.shape != self.ngram_next.shape or logp.shape != nxt.shape or floor.shape != self.ngram_floor.shape:
             raise ValueError(f"bigram table of shape {tuple(nxt.shape)} does not fit vocabulary "
@@ -99,6 +98,18 @@ class SpecLADartDrafter(SpecLADrafter):
         return DartDrafter(self, target, options)
 
 
+class DartBuffers(EagleBuffers):
+    """EAGLE's buffers plus the slot pass's inputs, its chain and every depth's draft log-probs."""
+
+    def __init__(self, topk: int, depth: int, device: torch.device, hidden_size: int, dtype: torch.dtype, slots: int,
+                 vocab_size: int):
+        super().__init__(topk, depth, device, hidden_size, dtype)
+        self.slot_fused = torch.zeros(1, slots + 1, hidden_size, dtype=dtype, device=device)
+        self.slot_tokens = torch.zeros(1, slots + 1, dtype=torch.long, device=device)
+        self.slot_chain = torch.arange(-1, slots, device=device)[None]
+        self.depth_logp = torch.zeros(slots + 1, vocab_size, dtype=torch.float32, device=device)
+
+
 class DartDrafter(EagleDrafter):
     """``EagleDrafter``'s catch-up and root, then every depth from one slot pass (module docstring). The depth is
     capped at ``draft_slots + 1``; ``topk`` / ``budget`` / ``threshold`` / ``adaptive`` mean what they mean for
@@ -112,16 +123,9 @@ class DartDrafter(EagleDrafter):
         self.weight = cfg.ngram_weight
         self.candidates = max(cfg.ngram_candidates, options.topk)
 
-    def _buffers(self):
-        """EAGLE's buffers plus the slot pass's inputs, its chain and every depth's draft log-probs."""
-        b = super()._buffers()
-        if not hasattr(b, "depth_logp"):
-            S, H, dev = self.slots, self.drafter.config.hidden_size, self.drafter.device
-            b.slot_fused = torch.zeros(1, S + 1, H, dtype=self.drafter.dtype, device=dev)
-            b.slot_tokens = torch.zeros(1, S + 1, dtype=torch.long, device=dev)
-            b.slot_chain = torch.arange(-1, S, device=dev)[None]
-            b.depth_logp = torch.zeros(S + 1, self.drafter.config.vocab_size, dtype=torch.float32, device=dev)
-        return b
+    def _new_buffers(self) -> DartBuffers:
+        return DartBuffers(self.options.topk, self.options.depth, self.drafter.device, self.drafter.config.hidden_size,
+                           self.drafter.dtype, self.slots, self.drafter.config.vocab_size)
 
     def _draft_depths(self, root_consumed: bool) -> None:
         """One pass: the slots as a chain of pending nodes from the committed state (preceded by the root when
@@ -130,12 +134,12 @@ class DartDrafter(EagleDrafter):
         if root_consumed:
             b.depth_logp[0] = b.root_logp
             if S:
-                out = self.runner._forward((b.slot_fused[:, :S], b.slot_tokens[:, :S], S), self.cache,
+                out = self.runner.compute((b.slot_fused[:, :S], b.slot_tokens[:, :S], S), self.cache,
                                            b.slot_chain[:, :S], None, ())
                 b.depth_logp[1:] = out.logits[0]
         else:
             b.slot_tokens[:, :1] = b.tokens[:1]       # the root, with the zero feature ``start`` gave it
-            out = self.runner._forward((b.slot_fused, b.slot_tokens, S), self.cache, b.slot_chain, None, ())
+            out = self.runner.compute((b.slot_fused, b.slot_tokens, S), self.cache, b.slot_chain, None, ())
             b.depth_logp.copy_(out.logits[0])
         self.cache.discard()
 
@@ -165,5 +169,10 @@ class DartDrafter(EagleDrafter):
         return top_q, cand[at]
 
 
-AutoConfig.register(SpecLADartConfig.model_type, SpecLADartConfig)
-AutoModelForCausalLM.register(SpecLADartConfig, SpecLADartDrafter)
+def register_auto_classes() -> None:
+    """Let ``AutoConfig`` / ``AutoModelForCausalLM`` load a saved ``SpecLADartDrafter`` (``import specla_hf`` runs this once
+    transformers' Auto classes are imported)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig.register(SpecLADartConfig.model_type, SpecLADartConfig, exist_ok=True)
+    AutoModelForCausalLM.register(SpecLADartConfig, SpecLADartDrafter, exist_ok=True)

@@ -1,0 +1,228 @@
+"""The decoding loop: one step (propose, verify, accept, commit, emit) and the two drivers that run it.
+
+Invariant: the target's cache has consumed every token of the sequence but the last (the *pending* token), which is
+the root of each draft tree. One target pass per step; accepted tokens are never run through the target again.
+
+Each step verifies the launched proposal in one target pass, accepts a path of it (``loop.acceptance``), commits that
+path in the target's cache, launches the next proposal, and hands the step's tokens to the stopping criteria and the
+streamer (``loop.stopping``); a proposal launched past the stop is dropped. The drivers differ only in where the
+acceptance runs:
+- ``HostDriver`` (any acceptance rule, logits processor, confidence threshold or drafter): the host reads the tree and
+  the target's outputs and walks the tree (``accept_path``);
+- ``DeviceDriver`` (plain greedy decoding, the tree selected on the device, a drafter that catches up there): the
+  acceptance (``greedy_accept``), the commit and the drafter's catch-up are one CUDA graph queued behind the verify
+  pass, and the next proposal is queued before the host reads the step's tokens, so the GPU drafts step ``i + 1``
+  while the host checks step ``i`` against the stopping criteria; step ``i + 1``'s verify pass is queued only after
+  that check, so nothing is verified past the stop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import record_function
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from specla_hf.loop.acceptance import DeviceAcceptance, accept_path, greedy_accept
+from specla_hf.loop.stats import SpecLAStats
+from specla_hf.loop.stopping import Stopping
+from specla_hf.runtime.graphs import tensors_in
+from specla_hf.runtime.transfer import HostCopy, to_device
+
+
+@dataclass
+class StepResult:
+    emitted: list[int]                       # the step's tokens: accepted drafts, then the target's own
+    nodes: int                               # draft nodes verified (root excluded)
+    scores: list[torch.Tensor] | None = None   # processed scores per emitted token (when asked for)
+    logits: list[torch.Tensor] | None = None   # raw logits per emitted token (when asked for)
+
+
+class HostDriver:
+    """The step with the acceptance on the host (see module docstring)."""
+
+    def __init__(self, target, drafter, cache, stats: SpecLAStats, logits_processor: LogitsProcessorList,
+                 do_sample: bool, max_length: int, device: torch.device, keep_scores: bool):
+        self.target, self.drafter, self.cache, self.stats = target, drafter, cache, stats
+        self.logits_processor, self.do_sample, self.max_length = logits_processor, do_sample, max_length
+        self.device, self.keep_scores = device, keep_scores
+        self.plain = not do_sample and not len(logits_processor)
+
+    def step(self, host_ids: torch.LongTensor) -> StepResult:
+        target, drafter, stats = self.target, self.drafter, self.stats
+        t0 = time.perf_counter()
+        # a tree selected on the device is verified before the host reads it back, so the GPU goes from drafting to
+        # verifying without waiting for the host; otherwise the host selects it and the adapter copies it in
+        selected = drafter.device_tree()
+        out = None if selected is None else verify(target, self.cache, *selected, drafter.feature_layers)
+        t_collect = time.perf_counter()
+        with record_function("specla.collect"):
+            tree = drafter.collect()
+        t1 = time.perf_counter()
+        stats.draft_time += t1 - t_collect
+        stats.verify_time += t_collect - t0
+        if out is None:
+            out = verify(target, self.cache, tree.tokens[None], tree.parents[None], drafter.feature_layers)
+        with record_function("specla.accept"):
+            # logits are copied (a verify graph's outputs are overwritten next step) only where they are used: plain
+            # greedy reads back each node's argmax, no more; sampling and logits processors run on ``device`` with
+            # the sequence there, as in plain decoding
+            logits = (out.logits[0].to(self.device, torch.float32, copy=True)
+                      if self.keep_scores or not self.plain else None)
+            argmax = out.logits[0].argmax(-1).tolist() if self.plain else None
+            context = None if self.plain else to_device(host_ids, self.device)
+            acc = accept_path(tree, logits, context, self.logits_processor, self.do_sample, argmax)
+        with record_function("specla.commit"):
+            target.commit(self.cache, acc.path)
+        if drafter.feature_layers:
+            with record_function("specla.features"):
+                drafter.add_features(out.hidden_states, acc.path)
+        stats.verify_time += time.perf_counter() - t1
+        drafter.observe(acc.emitted[:-1])
+        # the next proposal goes to the device now, so the GPU drafts while the host checks the stopping criteria
+        grown = torch.cat([host_ids, host_ids.new_tensor([acc.emitted])], 1)
+        with record_function("specla.launch"):
+            launch(drafter, grown, self.max_length, stats)
+        kept = None if logits is None else [logits[n:n + 1] for n in acc.path]
+        return StepResult(acc.emitted, len(tree) - 1, acc.scores if self.keep_scores else None,
+                          kept if self.keep_scores else None)
+
+    def finish(self) -> None:
+        pass
+
+
+class DeviceDriver:
+    """The step with the acceptance, the commit and the drafter's catch-up on the device, in one CUDA graph per
+    verify graph (see module docstring). Tokens equal the host driver's (``greedy_accept`` is ``accept_path``); the
+    drafter's catch-up runs as a chain verify, so drafts may differ from the host driver's by rounding."""
+
+    def __init__(self, target, drafter, cache, stats: SpecLAStats):
+        self.target, self.drafter, self.cache, self.stats = target, drafter, cache, stats
+        self.cap = drafter.options.depth + 1
+        self.readback = HostCopy((1 + self.cap,), torch.long, target.device)
+        drafter.last_tree = None           # no host tree per step (nothing to calibrate against); set by ``finish``
+        self.nodes = 0
+
+    def step(self, host_ids: torch.LongTensor) -> StepResult:
+        drafter, stats = self.drafter, self.stats
+        t0 = time.perf_counter()
+        tokens, parents = drafter.device_tree()
+        out = verify(self.target, self.cache, tokens, parents, drafter.feature_layers)
+        self.nodes = tokens.shape[1]
+        with record_function("specla.accept"):
+            acc = self._tail(tokens, parents, out)        # acceptance, commit, the drafter's catch-up
+            self.readback.queue(acc.packed)
+        t1 = time.perf_counter()
+        with record_function("specla.launch"):
+            drafter.launch_caught_up()
+        t2 = time.perf_counter()
+        with record_function("specla.collect"):
+            length, *emitted = self.readback.read().tolist()        # this step's tokens, while the GPU drafts
+        emitted = emitted[:length]
+        drafter.advance(len(emitted))
+        drafter.observe(emitted[:-1])
+        stats.draft_time += t2 - t1
+        stats.verify_time += time.perf_counter() - t2 + t1 - t0
+        return StepResult(emitted, self.nodes - 1)
+
+    def finish(self) -> None:
+        self.drafter.last_tree = self.drafter.buffers.verified_tree(self.nodes)
+
+    def _tail_step(self, tokens: torch.Tensor, parents: torch.Tensor, out) -> DeviceAcceptance:
+        n = tokens.shape[1]
+        self.drafter.buffers.keep_verified()              # the drafter's last_tree once the loop ends
+        acc = greedy_accept(tokens[0], parents[0], self.cache.ancestors[0, :n, :n], out.logits[0].argmax(-1),
+                            self.cap)
+        self.cache.commit(acc.node, path=(acc.path[None], acc.length))
+        self.drafter.catch_up(out.hidden_states, acc)
+        return acc
+
+    def _tail(self, tokens: torch.Tensor, parents: torch.Tensor, out) -> DeviceAcceptance:
+        """``_tail_step``: about 40 small kernels, one graph replay where the target runs CUDA graphs (its inputs are
+        the verify graph's static outputs, the tree buffers and the caches), kept per drafter adapter."""
+        graphs = self.target.graphs
+        if graphs is None:
+            return self._tail_step(tokens, parents, out)
+        pending = tensors_in(self.cache.layers[0].pending())[0]           # which verify graph's outputs it reads
+        static = (tokens, parents, out.logits, self.cache.ancestors, *out.hidden_states, pending)
+        key = ("step tail", tokens.shape[1], *(t.data_ptr() for t in static))
+        owner = self.drafter.runner
+        store = graphs.store(owner)
+        if key not in store:
+            caches = (self.cache, self.drafter.cache)
+            saved = [c.snapshot() for c in caches]
+
+            def restore():
+                for c, s in zip(caches, saved):
+                    c.restore(s)
+            graphs.capture(key, lambda: self._tail_step(tokens, parents, out),
+                           "a step's acceptance and the drafter's catch-up", between=restore, owner=owner)
+            restore()
+        if store[key] is None:
+            return self._tail_step(tokens, parents, out)
+        acc = store[key].replay()
+        self.cache.discard()                  # the Python side of the recorded commit (the drafter keeps none)
+        return acc
+
+
+def verify(target, cache, tokens: torch.Tensor, parents: torch.Tensor, feature_layers: tuple[int, ...]):
+    """One target pass over a draft tree (host or device tensors: the adapter pads and copies them in)."""
+    with record_function("specla.verify"):
+        return target.forward(tokens, cache, parents=parents, logits_positions=slice(None),
+                              hidden_layers=feature_layers)
+
+
+def launch(drafter, ids: torch.LongTensor, max_length: int, stats: SpecLAStats) -> None:
+    """Queue the proposal after ``ids`` on the device (no deeper than the length limit leaves room for)."""
+    t = time.perf_counter()
+    drafter.launch(ids, max_depth=max_length - ids.shape[1] - 1)
+    stats.draft_time += time.perf_counter() - t
+
+
+def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+                       stopping_criteria: StoppingCriteriaList, do_sample: bool, max_length: int, streamer=None,
+                       keep_scores: bool = False
+                       ) -> tuple[torch.LongTensor, SpecLAStats, list[torch.Tensor], list[torch.Tensor]]:
+    """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits)."""
+    stats, all_scores, all_logits = SpecLAStats(), [], []
+    start = time.perf_counter()
+    # the sequence grows on the host: the stopping criteria, the streamer and the drafter read it there, and nothing
+    # in a greedy step waits for the GPU but the draft and the verify results
+    device = input_ids.device
+    host_ids = input_ids.cpu()
+    stopping = Stopping(stopping_criteria, streamer, device)
+    cache = target.new_cache(1)
+    if input_ids.shape[1] > 1:
+        out = target.forward(input_ids[:, :-1].to(target.device), cache, logits_positions=slice(0, 0),
+                             hidden_layers=drafter.feature_layers)
+        drafter.add_features(out.hidden_states)
+        stats.target_calls += 1
+    prompt_len = input_ids.shape[1]
+    launch(drafter, host_ids, max_length, stats)
+    plain = not do_sample and not len(logits_processor)
+    if plain and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
+        driver = DeviceDriver(target, drafter, cache, stats)
+    else:
+        driver = HostDriver(target, drafter, cache, stats, logits_processor, do_sample, max_length, device,
+                            keep_scores)
+    while True:
+        step = driver.step(host_ids)
+        stats.target_calls += 1
+        stats.steps += 1
+        stats.draft_nodes.append(step.nodes)
+        stats.accepted.append(len(step.emitted) - 1)
+        grown = torch.cat([host_ids, host_ids.new_tensor([step.emitted])], 1)
+        kept, stop = stopping.emit(grown, host_ids.shape[1])
+        if keep_scores:
+            added = kept.shape[1] - host_ids.shape[1]
+            all_scores += step.scores[:added]
+            all_logits += step.logits[:added]
+        host_ids = kept
+        if stop:
+            break
+    driver.finish()
+    stats.new_tokens = host_ids.shape[1] - prompt_len
+    stats.total_time = time.perf_counter() - start
+    return host_ids.to(device), stats, all_scores, all_logits

@@ -1,0 +1,38 @@
+"""What users of speculative decoding look at after a ``generate`` call."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecLAStats:
+    """One ``generate`` call's counts and times (``model.specla_stats``)."""
+    target_calls: int = 0                 # target forward passes (prefill included)
+    steps: int = 0                        # verify passes
+    new_tokens: int = 0
+    draft_nodes: list[int] = field(default_factory=list)      # draft nodes verified per step
+    accepted: list[int] = field(default_factory=list)         # draft tokens accepted per step
+    # host wall time launching and collecting proposals (GPU drafting included), and of verify, acceptance, commit
+    # (GPU verify included); in the device loop the host waits only for each step's tokens, under verify_time
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens kept per verify pass (accepted drafts + the target's own token): the new tokens over the steps.
+        ``accepted`` also counts a last step's drafts past the stop, which no output holds."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def rejected_nodes_per_step(self) -> float:
+        return (sum(self.draft_nodes) - sum(self.accepted)) / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.new_tokens} tokens in {self.total_time:.2f}s ({self.tokens_per_second:.1f} tok/s), "
+                f"tau={self.tau:.2f} over {self.steps} verify steps, draft {self.draft_time:.2f}s, "
+                f"verify {self.verify_time:.2f}s")
