@@ -12,10 +12,11 @@ Extra ``generate`` keywords: ``tree`` (bool), ``tree_budget``, ``tree_topk``, ``
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specla_hf.drafters.base import DraftOptions, DynamicTreeDrafter
@@ -82,7 +83,24 @@ def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter
                     "(a GatedDeltaNetForCausalLM, or a model of the target's family) or a specla_hf SpecLADrafter")
 
 
+def _check_inputs(model, input_ids: torch.Tensor) -> None:
+    """Prompt ids a SpecLA loop can start from: a non-empty integer ``[1, T]`` tensor of ids in the vocabulary (an id
+    out of range would end in a device-side assert on CUDA, which takes the whole CUDA context down)."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; tokenize the prompt "
+                        "(tokenizer(text, return_tensors='pt').input_ids)")
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids of shape {tuple(input_ids.shape)}: SpecLA needs at least one prompt token "
+                         "(shape [1, T], T >= 1); start from the BOS token if there is no prompt")
+    vocab = model.get_input_embeddings().num_embeddings
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the model's vocabulary of "
+                         f"{vocab}; was the prompt tokenized with this model's tokenizer?")
+
+
 def _check_generation(model, input_ids, generation_config, model_kwargs) -> None:
+    _check_inputs(model, input_ids)
     cfg = generation_config
     if cfg.num_beams != 1:
         raise ValueError(f"num_beams={cfg.num_beams}: beam search cannot be combined with assistant_model")
@@ -146,6 +164,8 @@ def patch_generate(model_class) -> None:
                          prefix_allowed_tokens_fn, synced_gpus, streamer=streamer, **kwargs)
         if kwargs.get("custom_generate") is not None:
             raise ValueError("custom_generate cannot be combined with assistant_model under SpecLA")
+        stopping_criteria = _with_stop_strings(self, generation_config, stopping_criteria, kwargs)
+        generation_config = kwargs.pop("generation_config", generation_config)
         return GenerationMixin.generate(
             self, inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
             synced_gpus, custom_generate=_specla_decoding, specla_assistant=assistant_model,
@@ -154,6 +174,25 @@ def patch_generate(model_class) -> None:
     generate.specla = True
     generate.__doc__ = stock.__doc__
     model_class.generate = generate
+
+
+def _with_stop_strings(model, generation_config, stopping_criteria, kwargs: dict):
+    """``stopping_criteria`` plus the stop-string criterion plain ``generate`` would build. transformers keeps only a
+    ``custom_generate`` callable's own keywords for its call and drops ``tokenizer`` on the way, then fails to build
+    the criterion: it is built here, and ``stop_strings`` / ``tokenizer`` are taken out of what transformers sees."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    config = generation_config if generation_config is not None else model.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    if not stop_strings:
+        return stopping_criteria
+    if tokenizer is None:
+        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate()")
+    if getattr(config, "stop_strings", None):
+        config = copy.deepcopy(config)
+        config.stop_strings = None
+        kwargs["generation_config"] = config
+    criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+    return StoppingCriteriaList([*(stopping_criteria or []), criterion])
 
 
 def install() -> None:

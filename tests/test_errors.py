@@ -61,10 +61,23 @@ def test_unsupported_outputs_and_padding(target, bad_drafter):
 def test_draft_option_errors(target, bad_drafter):
     with pytest.raises(ValueError, match="pass tree=True"):
         gen(target, bad_drafter, tree_budget=8)
-    with pytest.raises(ValueError, match="confidence threshold"):
+    with pytest.raises(ValueError, match=r"confidence_threshold must be in \[0, 1\), got 1.5"):
         gen(target, bad_drafter, confidence_threshold=1.5)
-    with pytest.raises(ValueError, match=">= 1"):
+    with pytest.raises(ValueError, match="tree_topk must be a positive integer, got 0"):
         gen(target, bad_drafter, tree=True, tree_topk=0)
+    with pytest.raises(ValueError, match="tree_budget=1000: a verify pass takes at most 128 nodes"):
+        gen(target, bad_drafter, tree=True, tree_budget=1000)
+
+
+def test_degenerate_prompts(target, bad_drafter):
+    """An empty prompt, float ids and ids outside the vocabulary (a device-side assert on CUDA) are named."""
+    with pytest.raises(ValueError, match=r"input_ids of shape \(1, 0\): SpecLA needs at least one prompt token"):
+        gen(target, bad_drafter, ids=torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(TypeError, match="input_ids must hold integer token ids, got dtype torch.float32"):
+        gen(target, bad_drafter, ids=IDS.float())
+    for bad in (97, -1):
+        with pytest.raises(ValueError, match=f"token id {bad}, outside the model's vocabulary of 97"):
+            gen(target, bad_drafter, ids=torch.tensor([[3, bad, 4]]))
 
 
 def test_plain_generate_untouched(target):

@@ -67,10 +67,14 @@ class DraftOptions:
     adaptive: bool = True                 # recalibrate the threshold and depth from observed acceptance
 
     def __post_init__(self):
-        if self.depth < 1 or self.topk < 1 or self.budget < 1:
-            raise ValueError(f"draft depth, topk and budget must be >= 1, got {self}")
+        for name, value in (("draft_depth", self.depth), ("tree_topk", self.topk), ("tree_budget", self.budget)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.budget >= MAX_TREE_BUCKET:
+            raise ValueError(f"tree_budget={self.budget}: a verify pass takes at most {MAX_TREE_BUCKET} nodes, the "
+                             f"root included; pass at most {MAX_TREE_BUCKET - 1}")
         if not 0.0 <= self.threshold < 1.0:
-            raise ValueError(f"confidence threshold must be in [0, 1), got {self.threshold}")
+            raise ValueError(f"confidence_threshold must be in [0, 1), got {self.threshold}")
         if 1 + self.topk * self.depth > MAX_TREE_BUCKET:
             raise ValueError(f"a draft tree of depth {self.depth} expanding {self.topk} nodes per depth holds "
                              f"{1 + self.topk * self.depth} nodes; the drafter verifies at most {MAX_TREE_BUCKET} "
