@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import specla_hf
-from specla_hf.autoregressive import autoregressive_decode
+from specla_hf.loop.autoregressive import autoregressive_decode
 from specla_hf.app.loading import load_models
 from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.training.inflate import inflate_pair

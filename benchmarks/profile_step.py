@@ -389,7 +389,7 @@ def main():
     res["floor_ms"] = weight_bytes / 4.2e12 * 1e3            # all weights once at the measured ~4.2 TB/s copy rate
 
     # whole decoding calls, 48 new tokens after a 64-token prompt: where the wall time of a step goes
-    from specla_hf.autoregressive import autoregressive_decode
+    from specla_hf.loop.autoregressive import autoregressive_decode
     prompt = prompt[:, :64]
     n_new = 48
     res["loop_ar"] = loop_profile(lambda: autoregressive_decode(runner, prompt, n_new), args.out / "trace_ar.json")

@@ -26,6 +26,8 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specla_hf.loop.acceptance import DeviceAcceptance, accept_path, greedy_accept
+from specla_hf.loop.autoregressive import ARDriver, ar_step_seconds
+from specla_hf.loop.policy import FallbackPolicy
 from specla_hf.loop.stats import SpecLAStats
 from specla_hf.loop.stopping import Stopping
 from specla_hf.runtime.graphs import tensors_in
@@ -183,11 +185,15 @@ def launch(drafter, ids: torch.LongTensor, max_length: int, stats: SpecLAStats) 
 
 def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
                        stopping_criteria: StoppingCriteriaList, do_sample: bool, max_length: int, streamer=None,
-                       keep_scores: bool = False
+                       keep_scores: bool = False, fallback: bool = False
                        ) -> tuple[torch.LongTensor, SpecLAStats, list[torch.Tensor], list[torch.Tensor]]:
-    """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits)."""
+    """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits).
+
+    ``drafter=None`` decodes autoregressively through the adapter. ``fallback``: switch to autoregressive decoding
+    once speculation costs more per token than an autoregressive step on this device (``loop.policy``)."""
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
+    policy = FallbackPolicy(ar_step_seconds(target)) if fallback and drafter is not None else None
     # the sequence grows on the host: the stopping criteria, the streamer and the drafter read it there, and nothing
     # in a greedy step waits for the GPU but the draft and the verify results
     device = input_ids.device
@@ -196,18 +202,26 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     cache = target.new_cache(1)
     if input_ids.shape[1] > 1:
         out = target.forward(input_ids[:, :-1].to(target.device), cache, logits_positions=slice(0, 0),
-                             hidden_layers=drafter.feature_layers)
-        drafter.add_features(out.hidden_states)
+                             hidden_layers=() if drafter is None else drafter.feature_layers)
+        if drafter is not None:
+            drafter.add_features(out.hidden_states)
         stats.target_calls += 1
     prompt_len = input_ids.shape[1]
-    launch(drafter, host_ids, max_length, stats)
     plain = not do_sample and not len(logits_processor)
-    if plain and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
-        driver = DeviceDriver(target, drafter, cache, stats)
+
+    def autoregressive() -> ARDriver:
+        return ARDriver(target, cache, logits_processor, do_sample, device, keep_scores)
+    if drafter is None:
+        driver, stats.mode = autoregressive(), "autoregressive"
     else:
-        driver = HostDriver(target, drafter, cache, stats, logits_processor, do_sample, max_length, device,
-                            keep_scores)
+        launch(drafter, host_ids, max_length, stats)
+        if plain and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
+            driver = DeviceDriver(target, drafter, cache, stats)
+        else:
+            driver = HostDriver(target, drafter, cache, stats, logits_processor, do_sample, max_length, device,
+                                keep_scores)
     while True:
+        t = time.perf_counter()
         step = driver.step(host_ids)
         stats.target_calls += 1
         stats.steps += 1
@@ -215,14 +229,23 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         stats.accepted.append(len(step.emitted) - 1)
         grown = torch.cat([host_ids, host_ids.new_tensor([step.emitted])], 1)
         kept, stop = stopping.emit(grown, host_ids.shape[1])
+        added = kept.shape[1] - host_ids.shape[1]
         if keep_scores:
-            added = kept.shape[1] - host_ids.shape[1]
             all_scores += step.scores[:added]
             all_logits += step.logits[:added]
         host_ids = kept
         if stop:
             break
+        if policy is not None and stats.mode == "speculative":
+            policy.observe(time.perf_counter() - t, added)
+            reason = policy.verdict()
+            if reason is not None:
+                driver.finish()
+                driver, stats.mode = autoregressive(), "autoregressive"
+                stats.mode_reason = f"fell back after {stats.steps} speculative steps: {reason}"
     driver.finish()
+    if policy is not None and stats.mode == "speculative":
+        stats.mode_reason = policy.summary()
     stats.new_tokens = host_ids.shape[1] - prompt_len
     stats.total_time = time.perf_counter() - start
     return host_ids.to(device), stats, all_scores, all_logits
