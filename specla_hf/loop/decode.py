@@ -220,8 +220,12 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         else:
             driver = HostDriver(target, drafter, cache, stats, logits_processor, do_sample, max_length, device,
                                 keep_scores)
+    graph_sets = [g for g in (target.graphs, getattr(getattr(drafter, "runner", None), "graphs", None)) if g]
+
+    def captures() -> int:
+        return sum(g.captures for g in graph_sets)
     while True:
-        t = time.perf_counter()
+        t, captured = time.perf_counter(), captures()
         step = driver.step(host_ids)
         stats.target_calls += 1
         stats.steps += 1
@@ -236,8 +240,8 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         host_ids = kept
         if stop:
             break
-        if policy is not None and stats.mode == "speculative":
-            policy.observe(time.perf_counter() - t, added)
+        if policy is not None and stats.mode == "speculative" and captures() == captured:
+            policy.observe(time.perf_counter() - t, added)     # (a step that captured graphs says nothing)
             reason = policy.verdict()
             if reason is not None:
                 driver.finish()

@@ -24,7 +24,8 @@ class FallbackPolicy:
 
     def seconds_per_token(self) -> float:
         """Speculation's recent cost per kept token: the median step time over the mean tokens per step (a median,
-        so that a step that captured a graph does not decide)."""
+        so that one step slowed by something else, e.g. the host, does not decide; steps that captured CUDA graphs
+        are not observed at all)."""
         recent = self.steps[-self.window:]
         return statistics.median(s for s, _ in recent) / statistics.mean(t for _, t in recent)
 
