@@ -62,10 +62,10 @@ for _bn in SWEEP:
 # up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
 SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w)
                for bv, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
-# state tiles [BV, BK] of one commit program (and path nodes per dot, BP). Also measured, at 16 / 1 nodes (session 15,
-# bench_kernels_2026-12-01_s15call1_commit_warps): 2 warps [64, 64] 57.1 / 56.6 us, [32, 64] 55.5 / 51.9; 1 warp
-# [64, 64] 59.1 / 56.9; whole state rows [16, 256] 68.9 (2 warps) and 61.7 (4), [32, 256] 62.0 (4), [32, 128] 65.9 (2);
-# against the default's 54.9 / 50.4: fewer warps or contiguous rows do not raise the commit's DRAM rate
+# state tiles [BV, BK] of one commit program (and path nodes per dot, BP). Not swept, measured on the H200 against the
+# then default's 54.9 / 50.4 us at 16 / 1 nodes (21 layers): 2 warps [64, 64] 57.1 / 56.6 us, [32, 64] 55.5 / 51.9;
+# 1 warp [64, 64] 59.1 / 56.9; whole state rows [16, 256] 68.9 (2 warps) and 61.7 (4), [32, 256] 62.0 (4), [32, 128]
+# 65.9 (2): fewer warps or contiguous rows do not raise the commit's DRAM rate
 # Each entry is a whole tile (it replaces commit_tile's): state tiles with and without the alignment hint (ALIGN=1:
 # 32-bit accesses), path chunks of 16 and 32 nodes (BP), 8 warps
 COMMIT_SWEEP = [dict(BV=bv, BK=bk, BP=16, ALIGN=align, num_warps=4)

@@ -6,12 +6,12 @@ launch shapes, without a GPU. Each kernel's launch at the 1.3B shapes is interce
 
 ``--sass DIR`` also writes each kernel's sm_90 SASS (Triton's bundled ``nvdisasm``) to ``DIR`` and reports its
 instruction count and the body of each loop (label to backward branch): a latency-bound kernel's time follows the
-instructions on its path (session 22 cut the tree verify's sweep from 372 to 123 that way before timing it).
+instructions on its path (the tree verify's depth sweep went from 372 to 123 instructions a warp that way, found
+in the SASS before it was timed).
 
-A kernel that spills keeps part of its working set in local memory (L1/L2 round trips on its critical path). Session 7
-found the tree verify at 255 registers with 1.3-5.5 KB of spill stores per thread from 32 nodes up: a lead for the
-launch-shape sweep of ``benchmarks/bench_kernels.py``, which decides on the GPU. (The GPU's Triton may allocate
-differently from this machine's.)
+A kernel that spills keeps part of its working set in local memory (L1/L2 round trips on its critical path): a lead
+for the launch-shape sweep of ``benchmarks/bench_kernels.py``, which decides on the GPU. (The GPU's Triton may
+allocate differently from this machine's: install its version beside yours for these reports.)
 """
 from __future__ import annotations
 

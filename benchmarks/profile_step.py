@@ -194,8 +194,8 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
     times = {k: collections.defaultdict(list) for k in setups}
     names = list(setups)
     for r in range(rounds):
-        # the order rotates: in session 6, with PDL "on" always first, the drafter pass (no PDL kernel in it, so PDL
-        # cannot be the cause) took 0.334 ms "on" and 0.247 ms "off"
+        # the order rotates: with PDL "on" always timed first, the drafter pass (no PDL kernel in it, so PDL cannot be
+        # the cause) measured 0.334 ms "on" and 0.247 ms "off"
         for k in names[r % len(names):] + names[:r % len(names)]:
             for name, call in setups[k].items():
                 times[k][name].append(cuda_ms(call, reps=10 if name == "ar_loop32" else 50))
@@ -208,12 +208,12 @@ def _setting(**values):
     BLAS library (keys ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``step_configs``
     (whether the table ``benchmarks/tune_step.py`` wrote is used; by default it is unless a GEMV launch key is given,
     which it would override), ``small_max``, ``sweeps``, ``blas``) to the values given and the others to their
-    defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
-    0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL
-    against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back
-    copies of gate_up and lm_head suggested: 1.175 vs 1.136 ms; in session 20 a second recurrence kernel of ours,
-    fla's arithmetic and launch shape with its state slice read before the PDL wait: ar_step 1.142 vs fla's
-    1.129 / 1.146 ms, 32 steps 35.24 vs 35.70 / 35.50 ms, commit 66d3de7, reverted.)"""
+    defaults. (Also compared here and removed, H200: an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB:
+    step 1.188 / 1.214 / 1.264 / 1.325 ms; a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs
+    1.148 ms; PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back copies of gate_up and lm_head
+    suggested: 1.175 vs 1.136 ms; a second recurrence kernel of ours, fla's arithmetic and launch shape with its
+    state slice read before the PDL wait: ar_step 1.142 vs fla's 1.129 / 1.146 ms, 32 steps 35.24 vs 35.70 / 35.50
+    ms, commit 66d3de7.)"""
     def apply():
         pdl.USE_PDL = values.get("pdl", True)
         pdl.SMALL_KERNELS = values.get("pdl_small", _PDL_SMALL)
@@ -239,20 +239,21 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
     "step_configs": {"autotuner": _setting(step_configs=False), "step-tuned table": _setting(),
                      "autotuner again": _setting(step_configs=False)},
     "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False), "on again": _setting(pdl=True)},
-    "split": {"default": _setting(), "session 8 (<= 4096 rows, 512 columns)": _setting(split_rows=4096,
+    "split": {"default": _setting(), "<= 4096 rows, 512 columns": _setting(split_rows=4096,
               split_cols=512), "none": _setting(split_rows=0), "default again": _setting()},
-    # the node-by-node tree verify inside the model: session 11's verify_4 took 1.81 ms against verify_8's 1.71 (the
-    # WY/UT kernel's 4-node pass had been 2-3% under its 8-node one), though the kernel alone wins at 4 nodes
+    # the node-by-node tree verify inside the model: a graphed 4-node pass with it measured 1.81 ms against 1.71 for
+    # 8 nodes (with the WY/UT kernel the 4-node pass had been 2-3% under the 8-node one), though the kernel alone wins
+    # at 4 nodes
     "small": {"default": _setting(), "no node-by-node kernel": _setting(small_max=0), "default again": _setting()},
-    # the verify pass's small kernels (tree conv, gates, tree verify, gated norm) launched with PDL (session 11)
+    # the verify pass's small kernels (tree conv, gates, tree verify, gated norm) launched with PDL
     "pdl_small": {"default": _setting(), "small kernels with PDL": _setting(pdl_small=True),
                   "default again": _setting()},
-    # the verify pass's GEMMs (1.03 of a 64-node pass's 1.87 ms of kernels in session 11) through cuBLASLt's choice
+    # the verify pass's GEMMs (~1.0 ms of a 64-node pass's 1.75 ms of kernels, H200) through cuBLASLt's choice
     "blas": {"default": _setting(), "cuBLASLt": _setting(blas="cublaslt"), "default again": _setting()},
     # the tree verify's solve by depth sweeps where tree_delta.SWEEPS has them (64, 128 nodes), against the block solve
     "sweep": {"default": _setting(), "block solve only": _setting(sweeps={}), "default again": _setting()},
-    # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (session 14:
-    # on plain products split-K streamed at 4.1 TB/s, the row-owner kernel at 3.1)
+    # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (on plain
+    # products on the H200 split-K streamed at 4.1 TB/s, the row-owner kernel with two stages at 3.1)
     "rows": {"default": _setting(),
              "3 stages, (4 rows, 2 per SM, 8 warps)": _setting(row_config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8)),
              "3 stages, (2 rows, 4 per SM, 4 warps)": _setting(row_config=dict(BN=2, PER_SM=4, STAGES=3, num_warps=4)),

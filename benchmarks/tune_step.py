@@ -1,7 +1,7 @@
 """GPU: choose the one-token step's GEMV launch shapes by timing whole steps, and write them where ``gemv`` reads them.
 
 Triton's autotuner (``gemv._tuned_kernel`` / ``_tuned_split``) times each product alone, its weights flushed from L2:
-its picks differ from run to run and from what is best among the step's other kernels (session 14: in_proj's pick
+its picks differ from run to run and from what is best among the step's other kernels (on the H200 in_proj's pick
 took 21.3 us in a chain of its own copies, the best of the same candidates 13.3). Here each large product of the
 one-token step (at the 1.3B shape: in_proj, o_proj, gate_up, down, lm_head) is tried in every launch
 ``gemv.launch_candidates`` lists (row-owner shapes, split-K at 256, 512 and 1024 columns) inside a CUDA graph of the

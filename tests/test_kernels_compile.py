@@ -148,8 +148,8 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
 
 def test_state_and_weight_streams_are_128_bit(launches):
     """The commit streams every layer's state (63 MiB at the 1.3B shape) through addresses it loads from a table,
-    whose alignment Triton cannot see: it must mark them (``ALIGN``) to get 128-bit accesses; session 16 found it
-    moving 4 bytes at a time. The GEMV's weight stream, from a pointer argument, must be 128-bit too."""
+    whose alignment Triton cannot see: it must mark them (``ALIGN``) to get 128-bit accesses, else it moves 4 bytes
+    at a time. The GEMV's weight stream, from a pointer argument, must be 128-bit too."""
     from specla_kernels import commit, gemv
     H, K, V, N = 6, 256, 512, 16
     states = ([torch.zeros(1, H, V, K)], [torch.zeros(1, N, H, K)], [torch.zeros(1, N, H, V)], [torch.zeros(1, N, H)])

@@ -16,9 +16,9 @@ the stock layer computes up to the GEMV's summation order. Two kernels, the same
 
 - row-owner (``gemv_kernel``): one program owns ``BN`` output rows and loads its whole ``[BN, K]`` block of ``W`` at
   once (``K <= 16384``; the input is one register tile): a batch-1 GEMV is bound by how many bytes are in flight,
-  and a K loop without ``tl.dot`` is not software-pipelined, so each of its iterations waited a full memory latency
-  (session 4 measured that version at 0.8-2.1 TB/s). Prologue statistics are recomputed by every program from ``x``
-  (a few KB, cache-resident): cheaper than a launch.
+  and a K loop without ``tl.dot`` is not software-pipelined, so each of its iterations would wait a full memory
+  latency (such a version streamed 0.8-2.1 TB/s on the H200). Prologue statistics are recomputed by every program
+  from ``x`` (a few KB, cache-resident): cheaper than a launch.
 - split-K (``gemv_split_kernel``): a program owns a row block and one slice of the columns; the last program of a
   row block sums the slices' partials in slice order (deterministic: no float atomics) and applies the epilogue, so
   a conv row's window still has one writer. More, smaller loads in flight: it wins on products with few rows
@@ -194,11 +194,11 @@ TUNE_BYTES = 8 * 2**20   # products with smaller weights run one fixed launch sh
 
 
 def _configs():
-    """(rows per block, programs per SM, warps, stages). Session 4's H200 run tuned the 1.3B shape's five products
-    over 24 shapes (BN 1-8, 4 or 8 warps, 2 or 4 programs per SM or one program per block) and picked the first four
-    below; each configuration costs a compile (~1 s) the first time a model runs, so the list keeps the winners and
-    two neighbours, and the winners with a third stage (session 14: streaming plain products, this kernel reached
-    3.1 TB/s against split-K's 4.1, which keeps more, smaller loads in flight)."""
+    """(rows per block, programs per SM, warps, stages). Tuning the 1.3B shape's five products on the H200 over 24
+    shapes (BN 1-8, 4 or 8 warps, 2 or 4 programs per SM or one program per block) picked the first four below; each
+    configuration costs a compile (~1 s) the first time a model runs, so the list keeps the winners and two
+    neighbours, and the winners with a third stage (streaming plain products on the H200, this kernel reached 3.1
+    TB/s with two stages against split-K's 4.1, which keeps more, smaller loads in flight)."""
     return [triton.Config({"BN": bn, "PER_SM": per_sm, "STAGES": st}, num_warps=nw)
             for bn, per_sm, nw, st in [(4, 2, 8, 2), (2, 2, 8, 2), (2, 4, 4, 2), (1, 2, 8, 2), (1, 4, 4, 2),
                                        (4, 4, 8, 2), (4, 2, 8, 3), (2, 4, 4, 3), (2, 2, 8, 3)]]
@@ -225,8 +225,8 @@ def _grid(N: int, device: torch.device):
 
 def _cold_bench(kernel_call, quantiles=(0.5, 0.2, 0.8), **_) -> list[float]:
     """Time ``kernel_call`` as a model runs it: its weights not in L2. Triton's default benchmark empties L2 by
-    *writing* a large buffer, so the timed kernel pays for writing those dirty lines back (session 4 measured
-    configurations chosen that way up to 2.3x slower than the best in a model's back-to-back sequence); here L2 is
+    *writing* a large buffer, so the timed kernel pays for writing those dirty lines back (configurations chosen that
+    way measured up to 2.3x slower than the best in a model's back-to-back sequence, H200); here L2 is
     emptied by *reading* 256 MiB (clean lines). Returns the requested quantiles in ms."""
     flush = torch.ones(64 * 2**20, dtype=torch.float32, device="cuda")   # back to the allocator's cache after
     kernel_call()
@@ -267,7 +267,7 @@ _tuned_split = triton.autotune(_split_configs(), key=["N", "K", "PRO", "EPI", "K
                                do_bench=_cold_bench)(gemv_split_kernel)
 
 # Which large products take split-K, and with how many columns per program: read at launch / capture
-# (profile_step's "split" A/B changes them). H200, 1.3B shape, session 9 (bench_gemv, 21 copies, two runs):
+# (profile_step's "split" A/B changes them). H200, 1.3B shape (bench_gemv, 21 copies, two runs):
 # row-owner / split 512 / split 1024 us: o_proj 7.7-7.9 / 6.8-7.0 / 6.4-7.1, down 10.3 / 9.6 / 9.0, in_proj
 # 14.5 / 15.0 / 13.9-14.0, gate_up 16.0 / 18.3 / 17.2-17.5, lm_head 22.0 / 20.9-23.2 / 22.8. Timing each candidate
 # per shape on its first call, one cold launch at a time (the autotuner's way), picked the row-owner kernel for
@@ -292,8 +292,8 @@ def load_step_configs(path: Path = STEP_CONFIGS_FILE) -> dict[tuple, dict]:
 # Launch shapes chosen by timing whole one-token steps (benchmarks/tune_step.py), read at launch / capture before
 # SPLIT_* and the autotuner (an explicit ``split``/``config`` or ``ROW_CONFIG`` still wins); products not in it are
 # tuned as before. The autotuner times each product alone after an L2 flush: its picks differ from run to run and
-# can lose badly among the step's other kernels (session 14, 21 copies back to back: in_proj's pick 21.3 us, the
-# best of the same candidates 13.3; lm_head 22.1 against 19.5).
+# can lose badly among the step's other kernels (H200, 21 copies back to back: in_proj's pick 21.3 us, the best of
+# the same candidates 13.3; lm_head 22.1 against 19.5).
 STEP_CONFIGS: dict[tuple, dict] = load_step_configs()
 
 
@@ -332,7 +332,7 @@ def _tiles(K: int, gate: torch.Tensor | None, norm) -> tuple[int, int]:
 # The launches benchmarks/tune_step.py tries: wider than the autotuner's lists (a user's first run compiles every
 # configuration those hold; the tuner's table is measured once per GPU). (rows, warps) x programs per SM x stages
 # for the row-owner kernel, (rows, warps) x columns per program for split-K; 2048 columns lost on every product of
-# the 1.3B step in session 14's chains.
+# the 1.3B step in chains of 21 copies on the H200.
 STEP_ROW_SHAPES = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (8, 16)]
 STEP_SPLIT_SHAPES = [(2, 4), (4, 4), (8, 4), (4, 8), (8, 8), (16, 8), (32, 8), (16, 16), (32, 16), (64, 16)]
 
