@@ -24,7 +24,7 @@ from specla_hf.loop.autoregressive import autoregressive_decode
 from specla_hf.app.loading import load_models
 from specla_hf.models import adapter_for
 from specla_hf.training.inflate import inflate_pair
-from specla_kernels import gemv
+from specla_kernels import tuning
 
 METHODS = {   # name -> generate() keywords (None: our CUDA-graph AR; "hf": stock generate)
     "hf_generate": "hf",
@@ -265,7 +265,7 @@ def main():
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens,
             "specla": specla_hf.__version__,
             # the one-token step's GEMV launches come from this table where it covers them (benchmarks/tune_step.py)
-            "gemv_step_configs": list(gemv.STEP_CONFIGS)}
+            "gemv_step_configs": list(tuning.active().gemv_step_configs)}
     if args.device == "cuda":
         check_kernels(meta)
     print(meta, flush=True)

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_kernels_compile import call_every_wrapper, compile_for_h200, recording_launches  # noqa: E402
 
-from specla_kernels import pdl, tree_delta  # noqa: E402
+from specla_kernels import pdl, tree_delta, tuning  # noqa: E402
 
 # launch shapes of the tree verify to report beside tree_config's, per padded node count
 TREE_CONFIGS = {16: [dict(num_warps=4), dict(BK=32)],
@@ -37,7 +37,7 @@ TREE_CONFIGS = {16: [dict(num_warps=4), dict(BK=32)],
                      dict(BK=32, num_warps=8)],
                 128: [dict(BV=16), dict(BV=16, num_warps=16), dict(BK=32), dict(BK=16, BV=16)]}
 for _bn, _configs in TREE_CONFIGS.items():   # the other solve at each size (block solve where the default sweeps)
-    _configs.append(dict(SWEEP_MAX=0 if tree_delta.SWEEPS.get(_bn) else 16))
+    _configs.append(dict(SWEEP_MAX=0 if tuning.active().tree_sweeps.get(_bn) else 16))
 
 
 def ptxas_resources(ptx: str) -> dict[str, int]:

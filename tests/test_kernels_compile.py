@@ -124,11 +124,11 @@ def call_every_wrapper():
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
-    from specla_kernels import pdl
+    from specla_kernels import pdl, tuning
     monkeypatch.setattr(pdl, "enabled", lambda device: True)     # launch as on the H200 (no GPU here)
     call_every_wrapper()
-    monkeypatch.setattr(pdl, "SMALL_KERNELS", True)              # and the verify pass's small kernels with PDL
-    call_every_wrapper()
+    with tuning.using(pdl_small_kernels=True):                  # and the verify pass's small kernels with PDL
+        call_every_wrapper()
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",

@@ -30,7 +30,7 @@ How the pieces are computed, and why:
   ``tests/test_kernels.py`` has that case); then ``U = XR - (X L_O) U`` is resolved block row by block row
   (``NC - 1`` dots), like fla's 16x16 merge in ``solve_tril`` but without leaving registers. Padded nodes
   (N < BN) have zero k and v and no descendants, so they stay zero and are masked on store.
-- Or, for trees of depth <= 16 at the sizes ``SWEEPS`` names (64 and 128 nodes), by depth sweeps: ``L`` is
+- Or, for trees of depth <= 16 at the sizes ``tuning``'s ``tree_sweeps`` names (64 and 128 nodes), by depth sweeps: ``L`` is
   nilpotent of the tree's depth, so that many sweeps of ``U <- R - L U`` solve it exactly (``_sweep_solve``); deeper
   trees take the block solve in the same kernel.
 """
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from specla_kernels import pdl
+from specla_kernels import pdl, tuning
 
 
 @triton.jit
@@ -231,7 +231,7 @@ def tree_gdn_fwd_kernel(
     LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
     SWEEP_MAX: tl.constexpr,               # trees of depth <= this solve by sweeps (_sweep_solve); 0: never
     ANC_LATE: tl.constexpr,                # the ancestor mask loaded after the K loop (prefetched into L1 before it)
-    PDL: tl.constexpr,                     # launched with PDL (pdl.SMALL_KERNELS)
+    PDL: tl.constexpr,                     # launched with PDL (tuning's pdl_small_kernels)
 ):
     pdl.allow_dependents(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -440,25 +440,9 @@ def tree_gdn_small_kernel(
         tl.store(o + p_i, o_i.to(o.dtype.element_ty), mask=m_i)
 
 
-# node counts up to which the node-by-node kernel (tree_gdn_small_kernel) runs by default. H200 sweep
-# (bench_kernels.py --nodes 1,2,4,8; 21 layers, bf16): 85 / 95 / 153 us at 1 / 2 / 4 nodes against the WY/UT kernel's
-# 166 / 179 / 193 and fla's chain 87 / 113 / 164; at 8 nodes the WY/UT kernel wins (15 vs 27 us a layer). The WY/UT
-# kernel took 221 us at 16 nodes then and 161 now, so the crossover may have moved: the same command re-times it
-SMALL_MAX = 4
-
-# the WY/UT kernel's solve per padded size: trees of depth <= SWEEP_MAX by sweeps (_sweep_solve), deeper ones by the
-# block solve (absent: the block solve always). H200, 21 layers, bf16: at 64 nodes sweeps take 229 / 255 / 288 / 356
-# us at depth 1 / 4 / 8 / 16 (comb trees) and the block solve (tf32x3 from 64 nodes) ~400 whatever the depth; at 128
-# nodes a drafted tree of depth 8 takes 786 by sweeps, the block solve about twice that. At 32 nodes the block solve
-# (bf16x3 there) and sweeps measured 250 / 251 against 258 / 233 us at depth 8 / 4: the block solve stays, since
-# drafted trees reach depth 8. Deep trees (long chains) keep the block solve also because the sweeps' intermediate
-# values grow like binomial coefficients of the depth on repeated keys
-SWEEPS = {64: 16, 128: 16}
-
-
 def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
-    """Launch shape for ``n`` nodes. Up to ``SMALL_MAX`` nodes (or with ``small``) the node-by-node kernel: padded
-    node count BN, V slice BV and warps. Otherwise the WY/UT kernel: BN, solve block BC, K chunk BK, V slice BV, warps
+    """Launch shape for ``n`` nodes. Up to ``tree_small_max`` nodes (``tuning``), or with ``small``, the node-by-node
+    kernel: padded node count BN, V slice BV and warps. Otherwise the WY/UT kernel: BN, solve block BC, K chunk BK, V slice BV, warps
     and the K loop's pipeline stages.
 
     Every program is a chain of dependent steps (loads, K loop, mask, solve, output), so latency, not bandwidth, sets
@@ -468,7 +452,8 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
     tests ran with (their tf32x3 branch holds more registers). q.k is formed in the K loop beside k.k, or after the
     solve in a pass of its own (LATE_QK, four reloads of k and q: it frees a [BN, BN] tile during the solve).
     """
-    if small if small is not None else n <= SMALL_MAX:
+    tune = tuning.active()
+    if small if small is not None else n <= tune.tree_small_max:
         if n > 8:
             raise ValueError(f"the node-by-node kernel unrolls its loop over the nodes: at most 8, got {n}")
         # one warp on an 8-wide V slice: the fastest of the H200 sweep at 2-8 nodes (more programs, each a short
@@ -495,7 +480,8 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
     # q.k moved into the K loop at 64 nodes): after at 64 nodes (311 against 318 us) and 128 (784 against 923), before
     # at 32 (239 against 252); 16 nodes was timed only with the late load
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=stages, LATE_QK=late_qk, SWEEP_MAX=SWEEPS.get(BN, 0), ANC_LATE=BN != 32)
+                num_warps=warps, num_stages=stages, LATE_QK=late_qk, SWEEP_MAX=tune.tree_sweeps.get(BN, 0),
+                ANC_LATE=BN != 32)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
