@@ -10,9 +10,11 @@ warnings.filterwarnings("ignore", message="Triton is not supported on current pl
 
 from specla_hf.models import fla_backend as _backend  # noqa: E402
 from specla_hf import generation as _generation  # noqa: E402
+from specla_hf.models import qwen3_5 as _hybrids  # noqa: E402
 
 _backend.install()
 _generation.install()
+_hybrids.install()
 
 from specla_hf.cache import SpecLACache  # noqa: E402
 from specla_hf.decoding import SpecLAStats, speculative_decode  # noqa: E402
