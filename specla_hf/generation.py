@@ -4,7 +4,9 @@ transformers refuses assisted generation for every stateful model. ``install()``
 fla's ``GatedDeltaNetForCausalLM`` a ``generate`` that, when an ``assistant_model`` is passed, hands transformers our
 decoding loop as a ``custom_generate`` callable: transformers still prepares the ``GenerationConfig``, the logits
 processors (temperature, top-k/p, repetition penalty, ...) and the stopping criteria (max length, EOS, stop strings),
-exactly as for plain decoding, and our loop applies them. Without an assistant the stock ``generate`` runs.
+exactly as for plain decoding, and our loop applies them. Without an assistant the stock ``generate`` runs. (The
+assistant goes to our loop under its own keyword, so transformers sees no assisted generation and does not refuse its
+stateful models; ``specla_hf.models.qwen3_5.install`` patches transformers' GDN hybrids the same way.)
 
 Extra ``generate`` keywords: ``tree`` (bool), ``tree_budget``, ``tree_topk``, ``draft_depth``,
 ``confidence_threshold``, ``adaptive_drafting``. After the call ``model.specla_stats`` holds a ``SpecLAStats``; with
@@ -29,6 +31,11 @@ CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
 # pruning by default: a verify pass costs about the same from 4 to 32 nodes on the H200, so pruning loses more tau
 # than it saves time (same run: 1.63-1.82x); pass confidence_threshold to prune
 TREE_DEFAULTS = DraftOptions(depth=8, topk=4, budget=63, threshold=0.0)
+
+
+# generate() keywords of vision-language models (transformers 5.23 hands the encoded media on as mm_encoder_outputs)
+MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_encoder_outputs",
+                "inputs_embeds")
 
 
 @dataclass
@@ -57,7 +64,8 @@ def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter
     if not isinstance(assistant, torch.nn.Module):
         raise TypeError(f"assistant_model must be a drafter model or a SpecLA DynamicTreeDrafter, got "
                         f"{type(assistant).__name__}")
-    t_vocab, d_vocab = target.config.vocab_size, assistant.config.vocab_size
+    # a vision-language model keeps its vocabulary in its text config
+    t_vocab, d_vocab = (m.config.get_text_config().vocab_size for m in (target, assistant))
     # a target-aligned drafter (specla_hf.eagle) reads the target's hidden features: it checks the fit itself
     aligned = getattr(assistant, "is_specla_drafter", False)
     if aligned:
@@ -97,6 +105,10 @@ def _check_generation(model, input_ids, generation_config, model_kwargs) -> None
     if getattr(cfg, "prompt_lookup_num_tokens", None) or getattr(cfg, "assistant_early_exit", None):
         raise ValueError("prompt_lookup_num_tokens / assistant_early_exit pick other candidate generators; pass only "
                          "assistant_model to use SpecLA")
+    media = [key for key in MEDIA_INPUTS if model_kwargs.get(key) is not None and len(model_kwargs[key])]
+    if media:
+        raise ValueError(f"SpecLA decodes a text prompt given as token ids, got {', '.join(media)}: pass input_ids "
+                         "only, or drop assistant_model to generate from images, videos or embeddings")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("attention_mask has padding; SpecLA decodes one unpadded sequence")
