@@ -1,7 +1,8 @@
 """SpecLA-HF: lossless speculative decoding for Gated DeltaNet models in Hugging Face Transformers.
 
-``import specla_hf`` gives fla's Triton-only modules a torch path on CPU and lets
-``GatedDeltaNetForCausalLM.generate(..., assistant_model=drafter)`` run speculative decoding.
+``import specla_hf`` gives fla's Triton-only modules (and the kernels transformers binds for its GDN hybrids) a torch
+path on CPU and lets ``GatedDeltaNetForCausalLM.generate(..., assistant_model=drafter)`` run speculative decoding, as
+it does for transformers' Qwen3.5, Qwen3.5-MoE and Qwen3-Next.
 """
 import warnings
 
