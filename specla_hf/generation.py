@@ -138,8 +138,22 @@ def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, gene
     model.specla_stats = stats
     if not cfg.return_dict_in_generate:
         return sequences
+    past_key_values = _plain_decoding_cache(target, sequences) if hasattr(target, "transformers_cache") else None
     return SpecLAGenerateOutput(sequences=sequences, scores=tuple(scores) if cfg.output_scores else None,
-                                logits=tuple(logits) if cfg.output_logits else None, specla_stats=stats)
+                                logits=tuple(logits) if cfg.output_logits else None,
+                                past_key_values=past_key_values, specla_stats=stats)
+
+
+def _plain_decoding_cache(target, sequences: torch.LongTensor):
+    """The transformers cache plain decoding leaves after ``sequences``: every token but the last consumed. Built from
+    the loop's committed state (``target.last_cache``) when it holds exactly those; when a stopping criterion cut an
+    accepted block short, the state has run past the cut and cannot be rolled back, so the kept tokens are consumed
+    into a fresh cache instead (one prefill pass)."""
+    cache = target.last_cache
+    if cache.seq_length != sequences.shape[1] - 1:
+        cache = target.new_cache(1)
+        target.forward(sequences[:, :-1].to(target.device), cache, logits_positions=slice(0, 0))
+    return target.transformers_cache(cache)
 
 
 def patch_generate(model_class) -> None:

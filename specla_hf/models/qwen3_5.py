@@ -21,6 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
 
 from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
 from specla_hf.models import ADAPTERS, transformers_backend
@@ -117,6 +118,21 @@ class HybridRunner:
                                                    self.dtype, self.device))
         self.last_cache = SpecLACache(layers)
         return self.last_cache
+
+    def transformers_cache(self, cache: SpecLACache) -> DynamicCache:
+        """``cache``'s committed state as the transformers cache the stock forward keeps (a ``DynamicCache`` of the
+        text config): conv windows, K-first recurrent states, the committed keys and values."""
+        if cache.num_pending:
+            raise RuntimeError("commit or discard the pending draft nodes before exporting the cache")
+        exported = DynamicCache(config=self.config)
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, SpecLALayer):
+                exported.update_conv_state(layer.window.clone(), i, conv_kernel_size=layer.window.shape[-1])
+                exported.update_recurrent_state(layer.state.transpose(-1, -2).contiguous(), i)
+            else:
+                exported.update(layer.key_buffer[:, :, :layer.length].clone(),
+                                 layer.value_buffer[:, :, :layer.length].clone(), i)
+        return exported
 
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
