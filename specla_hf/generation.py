@@ -33,9 +33,10 @@ CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
 TREE_DEFAULTS = DraftOptions(depth=8, topk=4, budget=63, threshold=0.0)
 
 
-# generate() keywords of vision-language models (transformers 5.23 hands the encoded media on as mm_encoder_outputs)
-MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_encoder_outputs",
-                "inputs_embeds")
+# generate() inputs other than token ids, by the kind of input they carry (transformers 5.23 encodes images and
+# videos before the decoding method runs and hands them on as mm_encoder_outputs, keyed by kind)
+NON_TEXT_INPUTS = {"pixel_values": "image", "image_grid_thw": "image", "pixel_values_videos": "video",
+                   "video_grid_thw": "video", "inputs_embeds": "inputs_embeds"}
 
 
 @dataclass
@@ -105,10 +106,12 @@ def _check_generation(model, input_ids, generation_config, model_kwargs) -> None
     if getattr(cfg, "prompt_lookup_num_tokens", None) or getattr(cfg, "assistant_early_exit", None):
         raise ValueError("prompt_lookup_num_tokens / assistant_early_exit pick other candidate generators; pass only "
                          "assistant_model to use SpecLA")
-    media = [key for key in MEDIA_INPUTS if model_kwargs.get(key) is not None and len(model_kwargs[key])]
-    if media:
-        raise ValueError(f"SpecLA decodes a text prompt given as token ids, got {', '.join(media)}: pass input_ids "
-                         "only, or drop assistant_model to generate from images, videos or embeddings")
+    other = {kind for key, kind in NON_TEXT_INPUTS.items() if model_kwargs.get(key) is not None}
+    other |= {kind for kind, encoded in (model_kwargs.get("mm_encoder_outputs") or {}).items() if encoded is not None}
+    if other:
+        raise ValueError(f"SpecLA decodes a text prompt given as token ids, got {' and '.join(sorted(other))} "
+                         "inputs: pass input_ids only, or drop assistant_model to generate from images, videos or "
+                         "embeddings")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("attention_mask has padding; SpecLA decodes one unpadded sequence")
