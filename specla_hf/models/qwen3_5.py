@@ -161,6 +161,7 @@ class HybridRunner:
         cache.commit(path[-1], path_length=len(path), path=(nodes, torch.tensor([len(path)], device=self.device)))
 
     def _forward(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
+        """``forward`` on device tensors, the tree as given (drafters call it)."""
         B, T = input_ids.shape
         pending_before = cache.num_pending
         if parents is None:
@@ -180,8 +181,7 @@ class HybridRunner:
                 x, _ = block.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
                                        past_key_values=_KVView(cache.layers[i], pending=parents is not None))
             h = h + x
-            x = block.mlp(block.post_attention_layernorm(h))
-            h = h + (x[0] if isinstance(x, tuple) else x)         # MoE blocks of some versions add router logits
+            h = h + block.mlp(block.post_attention_layernorm(h))
             if i + 1 in hidden_layers:
                 hidden.append(h)
         if logits_positions is not None:
