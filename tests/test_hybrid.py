@@ -189,6 +189,17 @@ def test_host_loop_with_a_threshold_and_padded_trees(target, drafters):
         runner.bucket_trees = False
 
 
+def test_eager_attention():
+    """Under eager attention (an additive mask, no SDPA causal shortcut for the prompt) trees decode as plain
+    generate does."""
+    model = tiny_hybrid("qwen3_5", seed=2, attn_implementation="eager")
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(37))
+    plain = model.generate(ids, max_new_tokens=25, do_sample=False)
+    spec = model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=model, tree=True,
+                          confidence_threshold=0.0)
+    assert torch.equal(spec, plain) and model.specla_stats.tau > 4
+
+
 def test_vision_language_model_text_path():
     """Qwen3_5ForConditionalGeneration decodes a text prompt speculatively as plain generate does."""
     model = tiny_qwen3_5_vl()

@@ -189,27 +189,32 @@ class HybridRunner:
         return RunnerOutput(self.model.lm_head(self.decoder.norm(h)), tuple(hidden))
 
     def _attention_inputs(self, h: torch.Tensor, cache: SpecLACache, pending_before: int,
-                          tree: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+                          tree: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
         """The attention layers' rotary embedding and additive mask ``[B, 1, T, positions held]`` for the new tokens:
         consumed tokens see the committed prefix and each other causally, tree nodes the committed prefix and their
-        ancestors among all pending nodes (themselves included)."""
+        ancestors among all pending nodes (themselves included). A prompt consumed into an empty cache under SDPA
+        gets no mask: SDPA's own causal masking, as in the stock forward, holds no ``T x T`` mask in memory."""
         layer = next((l for l in cache.layers if isinstance(l, SpecLAAttentionLayer)), None)
         if layer is None:
             return None
         B, T = h.shape[:2]
-        if tree:
-            ancestors = cache.ancestors[:, pending_before:]                          # [B, T, pending]
-            offsets = tree_depth(ancestors)
-        else:
+        ancestors = cache.ancestors[:, pending_before:] if tree else None                 # [B, T, pending]
+        offsets = tree_depth(ancestors) if tree else torch.arange(T, device=h.device).expand(B, T)
+        rotary = self.decoder.rotary_emb(h, self._rotary_positions(layer.length + offsets))
+        if not tree:
+            if not layer.length and self.config._attn_implementation == "sdpa":
+                return rotary, None
             ancestors = torch.ones(T, T, dtype=torch.bool, device=h.device).tril().expand(B, T, T)
-            offsets = torch.arange(T, device=h.device).expand(B, T)
-        positions = layer.length + offsets
-        if hasattr(self.decoder.rotary_emb, "mrope_section"):
-            # multimodal rotary (Qwen3.5): a (time, height, width) position per token, all three equal for text
-            positions = positions.expand(3, B, T)
         seen = torch.cat([ancestors.new_ones(B, T, layer.length), ancestors], -1)[:, None]
         mask = torch.zeros(seen.shape, dtype=h.dtype, device=h.device).masked_fill_(~seen, torch.finfo(h.dtype).min)
-        return self.decoder.rotary_emb(h, positions), mask
+        return rotary, mask
+
+    def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """``positions [B, T]`` as the model's rotary embedding takes them: the multimodal rotary of Qwen3.5 takes a
+        (time, height, width) position per token, all three equal for text (transformers 5.17 wants all three)."""
+        if hasattr(self.decoder.rotary_emb, "mrope_section"):
+            return positions.expand(3, *positions.shape)
+        return positions
 
     def _projections(self, m, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A GDN module's input projections: the raw conv inputs q|k|v ``[B, T, conv_dim]``, the output gate z
