@@ -13,6 +13,8 @@ embedding, full-attention modules, LM head) and replaces only how the mixers kee
   the pending nodes', an explicit 4D mask (each node sees the committed prefix and its own ancestors, itself
   included) and the rotary embedding at position ``prefix + depth(node)``.
 - MLPs, dense or MoE, run on the tree's tokens as on any tokens: routing is per token.
+``transformers_cache`` exports the committed state as the ``DynamicCache`` the stock forward keeps (``generate``'s
+``past_key_values``).
 """
 from __future__ import annotations
 
