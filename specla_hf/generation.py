@@ -1,11 +1,13 @@
 """``model.generate(..., assistant_model=drafter)`` runs SpecLA speculative decoding.
 
 transformers refuses assisted generation for every stateful model. ``patch_generate`` gives a supported model class
-a ``generate`` that, when an ``assistant_model`` is passed, hands transformers our decoding loop as a
-``custom_generate`` callable: transformers still prepares the ``GenerationConfig``, the logits processors
-(temperature, top-k/p, repetition penalty, ...) and the stopping criteria (max length, EOS, stop strings), exactly as
-for plain decoding, and our loop applies them. Without an assistant the stock ``generate`` runs, unless
-``specla=True`` asks for SpecLA's autoregressive loop (CUDA graphs, the fused one-token step) with the same options.
+(fla's ``GatedDeltaNetForCausalLM``; transformers' Qwen3.5, Qwen3.5-MoE and Qwen3-Next) a ``generate`` that, when an
+``assistant_model`` is passed, hands transformers our decoding loop as a ``custom_generate`` callable: transformers
+still prepares the ``GenerationConfig``, the logits processors (temperature, top-k/p, repetition penalty, ...) and
+the stopping criteria (max length, EOS, stop strings), exactly as for plain decoding, and our loop applies them. The
+assistant goes to our loop under its own keyword, so transformers sees no assisted generation and does not refuse
+stateful models. Without an assistant the stock ``generate`` runs, unless ``specla=True`` asks for SpecLA's
+autoregressive loop (CUDA graphs, the fused one-token step) with the same options.
 
 Extra ``generate`` keywords: ``tree`` (bool), ``tree_budget``, ``tree_topk``, ``draft_depth``,
 ``confidence_threshold``, ``adaptive_drafting``, ``autoregressive_fallback`` (default on: decode autoregressively
@@ -36,6 +38,12 @@ TREE_DEFAULTS = DraftOptions(depth=8, topk=4, budget=63, threshold=0.0)
 AUTOREGRESSIVE_FALLBACK = True      # generate()'s default for ``autoregressive_fallback``
 
 
+# generate() inputs other than token ids, by the kind of input they carry (transformers 5.23 encodes images and
+# videos before the decoding method runs and hands them on as mm_encoder_outputs, keyed by kind)
+NON_TEXT_INPUTS = {"pixel_values": "image", "image_grid_thw": "image", "pixel_values_videos": "video",
+                   "video_grid_thw": "video", "inputs_embeds": "inputs_embeds"}
+
+
 @dataclass
 class SpecLAGenerateOutput(GenerateDecoderOnlyOutput):
     specla_stats: SpecLAStats | None = None
@@ -62,7 +70,8 @@ def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter
     if not isinstance(assistant, torch.nn.Module):
         raise TypeError(f"assistant_model must be a drafter model or a SpecLA DynamicTreeDrafter, got "
                         f"{type(assistant).__name__}")
-    t_vocab, d_vocab = target.config.vocab_size, assistant.config.vocab_size
+    # a vision-language model keeps its vocabulary in its text config
+    t_vocab, d_vocab = (m.config.get_text_config().vocab_size for m in (target, assistant))
     # a target-aligned drafter (specla_hf.drafters.eagle) reads the target's hidden features: it checks the fit itself
     aligned = getattr(assistant, "is_specla_drafter", False)
     if aligned:
@@ -119,6 +128,12 @@ def _check_generation(model, input_ids, generation_config, model_kwargs) -> None
     if getattr(cfg, "prompt_lookup_num_tokens", None) or getattr(cfg, "assistant_early_exit", None):
         raise ValueError("prompt_lookup_num_tokens / assistant_early_exit pick other candidate generators; pass only "
                          "assistant_model to use SpecLA")
+    other = {kind for key, kind in NON_TEXT_INPUTS.items() if model_kwargs.get(key) is not None}
+    other |= {kind for kind, encoded in (model_kwargs.get("mm_encoder_outputs") or {}).items() if encoded is not None}
+    if other:
+        raise ValueError(f"SpecLA decodes a text prompt given as token ids, got {' and '.join(sorted(other))} "
+                         "inputs: pass input_ids only, or drop assistant_model to generate from images, videos or "
+                         "embeddings")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("attention_mask has padding; SpecLA decodes one unpadded sequence")
@@ -152,8 +167,23 @@ def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, gene
     model.specla_stats = stats
     if not cfg.return_dict_in_generate:
         return sequences
+    past_key_values = (_plain_decoding_cache(target, sequences, stats.committed_positions)
+                       if hasattr(target, "transformers_cache") else None)
     return SpecLAGenerateOutput(sequences=sequences, scores=tuple(scores) if cfg.output_scores else None,
-                                logits=tuple(logits) if cfg.output_logits else None, specla_stats=stats)
+                                logits=tuple(logits) if cfg.output_logits else None,
+                                past_key_values=past_key_values, specla_stats=stats)
+
+
+def _plain_decoding_cache(target, sequences: torch.LongTensor, committed: int):
+    """The transformers cache plain decoding leaves after ``sequences``: every token but the last consumed. Built from
+    the loop's committed state (``target.last_cache``, ``committed`` positions) when it holds exactly those; when a
+    stopping criterion cut an accepted block short, the state has run past the cut and cannot be rolled back, so the
+    kept tokens are consumed into a fresh cache instead (one prefill pass)."""
+    cache = target.last_cache
+    if committed != sequences.shape[1] - 1:
+        cache = target.new_cache(1)
+        target.forward(sequences[:, :-1].to(target.device), cache, logits_positions=slice(0, 0))
+    return target.transformers_cache(cache)
 
 
 def patch_generate(model_class) -> None:

@@ -88,11 +88,13 @@ class ARDriver:
     def step(self, host_ids: torch.LongTensor):
         from specla_hf.loop.decode import StepResult
         if self.pipelined:
-            if self.queued is None:                          # first step: from the host's pending token
+            first = self.queued is None
+            if first:                                        # from the host's pending token
                 copy_in(self.ar_step.token, host_ids[:, -1:])
                 self.queued = self._queue()
             current, self.queued = self.queued, self._queue()   # the next step goes before this one is read
-            return StepResult([int(current.read()[0])], 0)
+            # each queued step consumed a token: the first step queued two
+            return StepResult([int(current.read()[0])], 0, 2 if first else 1)
         out = self.target.forward(host_ids[:, -1:], self.cache, logits_positions=slice(-1, None))   # copied in
         logits = out.logits[:, -1, :].to(self.device, torch.float32, copy=True)
         scores = logits
@@ -102,7 +104,7 @@ class ARDriver:
             choice = int(torch.multinomial(torch.softmax(scores, -1), num_samples=1)[0, 0])
         else:
             choice = int(scores.argmax(-1)[0])
-        return StepResult([choice], 0, [scores] if self.keep_scores else None,
+        return StepResult([choice], 0, 1, [scores] if self.keep_scores else None,
                           [logits] if self.keep_scores else None)
 
     def _queue(self) -> HostCopy:

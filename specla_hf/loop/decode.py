@@ -38,6 +38,7 @@ from specla_hf.runtime.transfer import HostCopy, to_device
 class StepResult:
     emitted: list[int]                       # the step's tokens: accepted drafts, then the target's own
     nodes: int                               # draft nodes verified (root excluded)
+    committed: int                           # positions the step added to the target's committed state
     scores: list[torch.Tensor] | None = None   # processed scores per emitted token (when asked for)
     logits: list[torch.Tensor] | None = None   # raw logits per emitted token (when asked for)
 
@@ -88,7 +89,7 @@ class HostDriver:
         with record_function("specla.launch"):
             launch(drafter, grown, self.max_length, stats)
         kept = None if logits is None else [logits[n:n + 1] for n in acc.path]
-        return StepResult(acc.emitted, len(tree) - 1, acc.scores if self.keep_scores else None,
+        return StepResult(acc.emitted, len(tree) - 1, len(acc.path), acc.scores if self.keep_scores else None,
                           kept if self.keep_scores else None)
 
     def finish(self) -> None:
@@ -127,7 +128,7 @@ class DeviceDriver:
         drafter.observe(emitted[:-1])
         stats.draft_time += t2 - t1
         stats.verify_time += time.perf_counter() - t2 + t1 - t0
-        return StepResult(emitted, self.nodes - 1)
+        return StepResult(emitted, self.nodes - 1, len(emitted))
 
     def finish(self) -> None:
         self.drafter.last_tree = self.drafter.buffers.verified_tree(self.nodes)
@@ -207,6 +208,7 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
             drafter.add_features(out.hidden_states)
         stats.target_calls += 1
     prompt_len = input_ids.shape[1]
+    stats.committed_positions = prompt_len - 1
     plain = not do_sample and not len(logits_processor)
 
     def autoregressive() -> ARDriver:
@@ -231,6 +233,7 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         stats.steps += 1
         stats.draft_nodes.append(step.nodes)
         stats.accepted.append(len(step.emitted) - 1)
+        stats.committed_positions += step.committed
         grown = torch.cat([host_ids, host_ids.new_tensor([step.emitted])], 1)
         kept, stop = stopping.emit(grown, host_ids.shape[1])
         added = kept.shape[1] - host_ids.shape[1]

@@ -17,6 +17,8 @@ class SpecLAStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
+    committed_positions: int = 0          # positions the target's cache holds at the end (past the output when the
+                                          # stop fell inside a committed block)
     mode: str = "speculative"             # how the call ended: "speculative" or "autoregressive"
     mode_reason: str = ""                 # why (e.g. the fallback's measured costs)
 
