@@ -52,8 +52,8 @@ class DraftNoise:
     """Gaussian noise of scale ``scale`` on the drafter's logits (``_BlockRunner.compute`` returns draft
     log-probs): patched in for the benchmark, inside the drafter's captured calls."""
 
-    def __init__(self):
-        self.scale = torch.zeros((), device="cuda")        # a tensor the captured graphs read: changed in place
+    def __init__(self, device: torch.device):
+        self.scale = torch.zeros((), device=device)        # a tensor the captured graphs read: changed in place
         compute = _BlockRunner.compute
 
         def noisy(runner, *args, **kwargs):
@@ -76,7 +76,8 @@ def prompts(eval_dir: Path, per_set: int) -> list[str]:
 
 
 def sync():
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def run(target, ids_list, n_new, **kwargs) -> tuple[float, list]:
@@ -102,25 +103,35 @@ def main():
     ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--stock-prompts", type=int, default=2, help="prompts timed with stock generate (it is slow)")
+    ap.add_argument("--shape", choices=["1.3b", "trained"], default="1.3b",
+                    help="1.3b: the trained target inflated to fla's 1.3B shape; trained: the 12.6M target itself")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    small = load_models(device="cuda", dtype="bfloat16")
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    small = load_models(device=args.device, dtype=dtype)
     dart = load_models(drafter=str(Path(specla_hf.__file__).parents[1] / "checkpoints" / "specla-gdn-tiny-dart"),
-                       device="cuda", dtype="bfloat16").drafter
-    target, eagle = inflate_pair(small.target, small.drafter)
-    _, dart = inflate_pair(small.target, dart)
+                       device=args.device, dtype=dtype).drafter
+    if args.shape == "1.3b":
+        target, eagle = inflate_pair(small.target, small.drafter)
+        _, dart = inflate_pair(small.target, dart)
+    else:
+        target, eagle = small.target, small.drafter
     target.generation_config.eos_token_id = None                 # fixed-length runs
     drafters = {"eagle": eagle, "dart": dart}
     tok = small.tokenizer
-    ids_list = [tok(t, return_tensors="pt").input_ids[:, :256].cuda() for t in prompts(args.eval_dir, args.per_set)]
+    ids_list = [tok(t, return_tensors="pt").input_ids[:, :256].to(args.device)
+                for t in prompts(args.eval_dir, args.per_set)]
     n = args.max_new_tokens
-    noise = DraftNoise()
-    shape = "gdn-1.3b"
+    noise = DraftNoise(torch.device(args.device))
+    shape = "gdn-1.3b" if args.shape == "1.3b" else "gdn-12.6m"
     meta = {"model_shape": shape, "params": sum(p.numel() for p in target.parameters()),
-            "device": torch.cuda.get_device_name(), "dtype": "bfloat16", "prompts": len(ids_list),
-            "max_new_tokens": n, "weights": "trained 12.6M GDN inflated function-preservingly to fla's 1.3B shape"}
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": dtype,
+            "prompts": len(ids_list), "max_new_tokens": n,
+            "weights": ("trained 12.6M GDN inflated function-preservingly to fla's 1.3B shape" if args.shape == "1.3b"
+                        else "the trained 12.6M GDN")}
     log(meta)
     # warm-up: compiles and captures for every method before anything is timed
     for name, (drafter, kw) in METHODS.items():
@@ -130,7 +141,7 @@ def main():
         run(target, ids_list[:1], 16, do_sample=True, temperature=temp, assistant_model=eagle,
             autoregressive_fallback=False, tree=True)
     autoregressive_decode(adapter_for(target), ids_list[0], 32)
-    target.generate(ids_list[0], max_new_tokens=4, do_sample=False)
+    run(target, ids_list[:1], 4, do_sample=False)
     log("warm-up done")
 
     def ar_ms(sample: bool, temperature: float = 1.0) -> float:
@@ -185,7 +196,7 @@ def main():
     for r in records:
         print(f"| {r['method']} | {r['noise']} | {r['temperature'] or 'greedy'} | {r['tau']:.2f} | "
               f"{r['ms_per_token']:.3f} | {r['graph_ar_ms_per_token']:.3f} | {r['speedup_vs_graph_ar']:.2f}x | "
-              f"{r['speedup_vs_stock']:.0f}x | {','.join(r['mode'])} |")
+              f"{r['speedup_vs_stock']:.1f}x | {','.join(r['mode'])} |")
 
 
 def plot(records: list[dict], path: Path, meta: dict) -> None:

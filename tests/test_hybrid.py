@@ -432,3 +432,27 @@ def test_autoregressive_loop_and_fallback_equal_plain(target, drafters):
     finally:
         runner.ar_step_seconds = None
     assert torch.equal(spec, plain) and target.specla_stats.mode == "autoregressive"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
+    """On a GPU in fp32 (our Triton tree kernels for the verify, transformers' kernels for consuming): greedy output
+    with an exact and a perturbed copy as drafter, chain and tree, and SpecLA's autoregressive loop, equal plain
+    decoding. (TF32 off for cuDNN: plain decoding's short convolution would otherwise not be fp32.)"""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    target = tiny_hybrid(family, seed=0).cuda()
+    perturbed = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.005 * torch.randn_like(p))
+    gen = torch.Generator().manual_seed(21)
+    for n_prompt, n_new in ((1, 24), (70, 40)):
+        ids = torch.randint(0, VOCAB, (1, n_prompt), generator=gen).cuda()
+        plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+        assert torch.equal(target.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True), plain)
+        for drafter in (copy.deepcopy(target), perturbed):
+            for tree in (False, True):
+                spec = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter,
+                                       tree=tree, confidence_threshold=0.0)
+                assert torch.equal(spec, plain), (family, n_prompt, tree)
