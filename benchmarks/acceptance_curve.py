@@ -107,8 +107,13 @@ def main():
                     help="1.3b: the trained target inflated to fla's 1.3B shape; trained: the 12.6M target itself")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot-only", type=Path, help="redraw the PNG from an acceptance_curve.json, run nothing")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        saved = json.loads(args.plot_only.read_text())
+        plot(saved["records"], args.out / "acceptance_curve.png", saved["meta"])
+        return
     torch.manual_seed(0)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     small = load_models(device=args.device, dtype=dtype)
@@ -140,6 +145,7 @@ def main():
     for temp in map(float, args.temperatures.split(",")):
         run(target, ids_list[:1], 16, do_sample=True, temperature=temp, assistant_model=eagle,
             autoregressive_fallback=False, tree=True)
+        run(target, ids_list[:1], 16, do_sample=True, temperature=temp, specla=True)   # its one-token graphs
     autoregressive_decode(adapter_for(target), ids_list[0], 32)
     run(target, ids_list[:1], 4, do_sample=False)
     log("warm-up done")
@@ -200,21 +206,25 @@ def main():
 
 
 def plot(records: list[dict], path: Path, meta: dict) -> None:
+    """Speedup against the drafter's acceptance: a fallback run is placed at the tau its method reached without the
+    fallback at the same noise and temperature (its own tau counts the autoregressive steps too)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    own_tau = {(r["method"], r["noise"], r["temperature"]): r["tau"] for r in records}
+
+    def tau_of(r):
+        return own_tau.get((r["method"].split(" (")[0], r["noise"], r["temperature"]), r["tau"])
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for method in dict.fromkeys(r["method"] for r in records):
-        pts = sorted((r["tau"], r["speedup_vs_graph_ar"]) for r in records
-                     if r["method"] == method and r["temperature"] is None)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=method)
-        sampled = [(r["tau"], r["speedup_vs_graph_ar"]) for r in records
-                   if r["method"] == method and r["temperature"] is not None]
+        mine = [r for r in records if r["method"] == method]
+        pts = sorted((tau_of(r), r["speedup_vs_graph_ar"]) for r in mine if r["temperature"] is None)
+        line = ax.plot(*zip(*pts), marker="o", label=method)[0] if pts else None
+        sampled = [(tau_of(r), r["speedup_vs_graph_ar"]) for r in mine if r["temperature"] is not None]
         if sampled:
-            ax.scatter(*zip(*sampled), marker="x", color=ax.lines[-1].get_color() if pts else None)
+            ax.scatter(*zip(*sampled), marker="x", color=line.get_color() if line else None)
     ax.axhline(1.0, color="k", lw=1, ls="--", label="break-even (our graph AR)")
-    ax.set_xlabel("tau (tokens per target step)")
+    ax.set_xlabel("tau: tokens per verify step of speculation")
     ax.set_ylabel("speedup over our CUDA-graph AR decoding")
     ax.set_title(f"{meta['model_shape']} ({meta['params'] / 1e9:.2f}B, bf16, {meta['device']}): greedy at swept "
                  "draft noise (o), sampling T 0.7 / 1.0 (x)", fontsize=9)
