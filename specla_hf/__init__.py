@@ -30,6 +30,8 @@ _PUBLIC = {
     "SpecLADartDrafter": "specla_hf.drafters.dart",
     "SpecLADartConfig": "specla_hf.drafters.dart",
     "DartDrafter": "specla_hf.drafters.dart",
+    "MTPDrafter": "specla_hf.drafters.mtp",
+    "MTPTreeDrafter": "specla_hf.drafters.mtp",
     "GDNRunner": "specla_hf.models.fla_gdn",
     "adapter_for": "specla_hf.models",
 }
