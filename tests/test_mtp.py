@@ -225,7 +225,7 @@ def test_greedy_identical_to_plain(trained, tree, threshold):
     assert 0 < accepted < drafted and longest >= 3
 
 
-@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5_vl"])
+@pytest.mark.parametrize("model", ["qwen3_5_moe", "qwen3_next", "qwen3_5_vl"])
 def test_greedy_identical_on_moe_and_vision_language_targets(model):
     target = tiny_qwen3_5_vl() if model == "qwen3_5_vl" else tiny_hybrid(model, seed=2)
     head = random_head(target, seed=7)
@@ -271,9 +271,11 @@ def test_tree_nodes_score_what_the_mtp_layer_computes(trained, threshold):
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(21))
     options = draft_options(tree=True, tree_topk=3, tree_budget=16, draft_depth=4, confidence_threshold=threshold)
     drafter = head.candidate_generator(target, options)
-    # stopped at 40 tokens by the criterion; drafts are not shortened by a length limit (max_length 1000)
-    seq, stats, _, _ = speculative_decode(HybridRunner(target), drafter, ids, LogitsProcessorList(),
-                                          StoppingCriteriaList([MaxLengthCriteria(40)]), False, 1000)
+    # stopped at 40 tokens by the criterion; drafts are not shortened by a length limit (max_length 1000); no
+    # gradients, as under generate()
+    with torch.no_grad():
+        seq, stats, _, _ = speculative_decode(HybridRunner(target), drafter, ids, LogitsProcessorList(),
+                                              StoppingCriteriaList([MaxLengthCriteria(40)]), False, 1000)
     assert max(stats.accepted[:-1]) >= 2
     tree = drafter.last_tree
     root = ids.shape[1] - 1 + sum(a + 1 for a in stats.accepted[:-1])
@@ -304,8 +306,9 @@ def test_sampling_is_lossless():
     stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2)])
     accepted = 0
     for _ in range(draws):
-        out, stats, _, _ = speculative_decode(runner, head.candidate_generator(target, options), ids, procs, stop,
-                                              do_sample=True, max_length=ids.shape[1] + 2)
+        with torch.no_grad():
+            out, stats, _, _ = speculative_decode(runner, head.candidate_generator(target, options), ids, procs,
+                                                  stop, do_sample=True, max_length=ids.shape[1] + 2)
         x1, x2 = out[0, -2].item(), out[0, -1].item()
         c1[x1] += 1
         c12[x1 * V + x2] += 1
