@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import (DynamicCache, LogitsProcessorList, MaxLengthCriteria, Qwen3_5ForCausalLM, StoppingCriteriaList,
-                          TemperatureLogitsWarper, TopKLogitsWarper)
+from transformers import (DynamicCache, LogitsProcessorList, MaxLengthCriteria, Qwen3_5ForCausalLM,
+                          StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper)
 
 from conftest import tiny_gdn
 from hybrid_models import VOCAB, spread_weights_, tiny_hybrid, tiny_qwen3_5_vl
@@ -132,13 +132,13 @@ def test_loads_by_repo_id_from_an_offline_hub_cache(released, tmp_path):
                OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert float(run.stdout.split()[-1]) == pytest.approx(sum(float(p.detach().double().sum()) for p in head.parameters()),
-                                                          rel=1e-12)
+    checksum = sum(float(p.detach().double().sum()) for p in head.parameters())
+    assert float(run.stdout.split()[-1]) == pytest.approx(checksum, rel=1e-12)
 
 
 def test_public_names_import_in_a_fresh_interpreter_whatever_comes_first():
-    """``specla_hf.MTPDrafter`` imports transformers' ``modeling_layers``, and a user's first transformers import may be a
-    model class: whichever module imports transformers' Auto classes first, the drafters' Auto-class registration
+    """``specla_hf.MTPDrafter`` imports transformers' ``modeling_layers``, and a user's first transformers import may
+    be a model class: whichever module imports transformers' Auto classes first, the drafters' Auto-class registration
     waits until fla and transformers are done importing (registering mid-import re-entered a half-imported module)."""
     check = ("\nfrom transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
              "assert 'specla_drafter' in CONFIG_MAPPING and 'specla_dart' in CONFIG_MAPPING\n")
