@@ -30,6 +30,8 @@ _PUBLIC = {
     "SpecLADartDrafter": "specla_hf.drafters.dart",
     "SpecLADartConfig": "specla_hf.drafters.dart",
     "DartDrafter": "specla_hf.drafters.dart",
+    "MTPDrafter": "specla_hf.drafters.mtp",
+    "MTPTreeDrafter": "specla_hf.drafters.mtp",
     "GDNRunner": "specla_hf.models.fla_gdn",
     "adapter_for": "specla_hf.models",
 }
@@ -42,26 +44,34 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_PUBLIC[name]), name)
 
 
-def _install_fla(_module) -> None:
+def _install_fla(module) -> None:
     from specla_hf import generation
     from specla_hf.models import fla_backend
 
     fla_backend.install()
     generation.install()
-    if "transformers.models.auto.modeling_auto" in sys.modules:
-        _register_drafters(fla_loaded=True)
+    _register_drafters(module)
 
 
 _registered = []
+# what registering the drafters imports, directly or through fla: while one of these is halfway through its own import
+# (fla imports the Auto classes while it loads; transformers.modeling_layers, imported first, imports them too),
+# registering would re-enter it and miss names it has not defined yet, so it waits for that import to end
+_REGISTRATION_IMPORTS = ("fla", "transformers.modeling_utils", "transformers.modeling_layers",
+                         "specla_hf.models.fla_gdn", "specla_hf.drafters.eagle", "specla_hf.drafters.dart")
 
 
-def _register_drafters(_module=None, fla_loaded: bool = False) -> None:
-    """Let transformers' Auto classes load saved SpecLA drafters. They are built on fla's modules, and fla imports
-    the Auto classes while it loads: then the fla hook registers them once fla is done. Importing the drafters may
-    import fla, whose hook calls back here: the outer call registers."""
-    fla = sys.modules.get("fla")
-    if _registered or (not fla_loaded and fla is not None and getattr(fla.__spec__, "_initializing", False)):
+def _register_drafters(done=None) -> None:
+    """Let transformers' Auto classes load saved SpecLA drafters, once the Auto classes are imported and none of
+    ``_REGISTRATION_IMPORTS`` is mid-import (``done``: the module whose import just ended, its hooks running). Tried
+    again as each of those imports ends. Importing the drafters may import fla, whose hook calls back here: the outer
+    call registers."""
+    if _registered or "transformers.models.auto.modeling_auto" not in sys.modules:
         return
+    for name in _REGISTRATION_IMPORTS:
+        module = sys.modules.get(name)
+        if module is not None and module is not done and getattr(module.__spec__, "_initializing", False):
+            return
     _registered.append(True)
     from specla_hf.drafters import dart, eagle
 
@@ -76,6 +86,7 @@ def _install_hybrid(module) -> None:
 
 
 _hooks.after_import("fla", _install_fla)
-_hooks.after_import("transformers.models.auto.modeling_auto", _register_drafters)
+for _module in ("transformers.models.auto.modeling_auto", *_REGISTRATION_IMPORTS[1:]):
+    _hooks.after_import(_module, _register_drafters)
 for _module in sorted({m for (m, _), adapter in ADAPTERS.items() if adapter.endswith(":HybridRunner")}):
     _hooks.after_import(_module, _install_hybrid)

@@ -248,12 +248,17 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def __init__(self, drafter: SpecLADrafter, target, options: DraftOptions):
         super().__init__(options)
-        self.drafter = drafter
-        self.feature_layers = tuple(drafter.config.feature_layers)
-        self.top = target.config.num_hidden_layers
-        self.target_norm = target.model.norm
-        self.runner = _BlockRunner.for_drafter(drafter, target)
-        self.cache = self.runner.new_cache(1)
+        self._bind(drafter, _BlockRunner.for_drafter(drafter, target), tuple(drafter.config.feature_layers),
+                   target.config.num_hidden_layers, target.model.norm)
+
+    def _bind(self, drafter, runner, feature_layers: tuple[int, ...], top: int, target_norm) -> None:
+        """The drafter's weights (``fuse``, hidden size, device, dtype) and adapter (``runner``), and the target
+        layers it reads: ``feature_layers`` in the target adapter's numbering, ``top`` of them read after the target's
+        final norm ``target_norm`` (module docstring). A drafter of another block on the same alignment binds its own
+        (``specla_hf.drafters.mtp``)."""
+        self.drafter, self.runner = drafter, runner
+        self.feature_layers, self.top, self.target_norm = feature_layers, top, target_norm
+        self.cache = runner.new_cache(1)
         self.consumed = 0
         # fused features of target positions consumed..: committed by the target, not yet by the drafter
         self.features = torch.empty(1, 0, drafter.config.hidden_size, dtype=drafter.dtype, device=drafter.device)

@@ -11,7 +11,7 @@ embedding, full-attention modules, LM head) and replaces only how the mixers kee
 - full-attention layers (``self_attn``): the model's own attention module, handed a view of our
   ``SpecLAAttentionLayer`` as ``past_key_values`` whose ``update`` returns the committed keys and values followed by
   the pending nodes', an explicit 4D mask (each node sees the committed prefix and its own ancestors, itself
-  included) and the rotary embedding at position ``prefix + depth(node)``.
+  included) and the rotary embedding at position ``prefix + depth(node)`` (``specla_hf.models.tree_attention``).
 - MLPs, dense or MoE, run on the tree's tokens as on any tokens: routing is per token.
 ``transformers_cache`` exports the committed state as the ``DynamicCache`` the stock forward keeps (``generate``'s
 ``past_key_values``).
@@ -28,8 +28,8 @@ from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
 from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import pad_tokens, tree_bucket
+from specla_hf.models.tree_attention import KVView, attention_inputs
 from specla_kernels import ops
-from specla_kernels.reference import tree_depth
 
 # attention implementations that take an arbitrary 4D mask (a tree is not causal)
 MASKED_ATTENTION = ("eager", "sdpa")
@@ -54,17 +54,6 @@ def check_hybrid_model(model, role: str = "target") -> None:
     if cfg.hidden_act not in ("silu", "swish"):
         raise NotImplementedError(f"the {role} uses hidden_act={cfg.hidden_act!r} in its GDN short convolutions; "
                                   "SpecLA's tree convolution applies SiLU")
-
-
-class _KVView:
-    """What a model's attention module is handed as ``past_key_values``: ``update`` stores the new keys and values
-    in the layer (as pending nodes or, consuming, as committed positions) and returns every position's."""
-
-    def __init__(self, layer: SpecLAAttentionLayer, pending: bool):
-        self.layer, self.pending = layer, pending
-
-    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
-        return self.layer.append(key_states, value_states, self.pending)
 
 
 class HybridRunner:
@@ -180,7 +169,7 @@ class HybridRunner:
             else:
                 position_embeddings, mask = attention
                 x, _ = block.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
-                                       past_key_values=_KVView(cache.layers[i], pending=parents is not None))
+                                       past_key_values=KVView(cache.layers[i], pending=parents is not None))
             h = h + x
             h = h + block.mlp(block.post_attention_layernorm(h))
             if i + 1 in hidden_layers:
@@ -191,31 +180,14 @@ class HybridRunner:
 
     def _attention_inputs(self, h: torch.Tensor, cache: SpecLACache, pending_before: int,
                           tree: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
-        """The attention layers' rotary embedding and additive mask ``[B, 1, T, positions held]`` for the new tokens:
-        consumed tokens see the committed prefix and each other causally, tree nodes the committed prefix and their
-        ancestors among all pending nodes (themselves included). A prompt consumed into an empty cache under SDPA
-        gets no mask: SDPA's own causal masking, as in the stock forward, holds no ``T x T`` mask in memory."""
+        """The attention layers' rotary embedding and mask for the new tokens (``tree_attention.attention_inputs``):
+        every attention layer holds the same positions, so the first one's count serves all."""
         layer = next((l for l in cache.layers if isinstance(l, SpecLAAttentionLayer)), None)
         if layer is None:
             return None
-        B, T = h.shape[:2]
         ancestors = cache.ancestors[:, pending_before:] if tree else None                 # [B, T, pending]
-        offsets = tree_depth(ancestors) if tree else torch.arange(T, device=h.device).expand(B, T)
-        rotary = self.decoder.rotary_emb(h, self._rotary_positions(layer.length + offsets))
-        if not tree:
-            if not layer.length and self.config._attn_implementation == "sdpa":
-                return rotary, None
-            ancestors = torch.ones(T, T, dtype=torch.bool, device=h.device).tril().expand(B, T, T)
-        seen = torch.cat([ancestors.new_ones(B, T, layer.length), ancestors], -1)[:, None]
-        mask = torch.zeros(seen.shape, dtype=h.dtype, device=h.device).masked_fill_(~seen, torch.finfo(h.dtype).min)
-        return rotary, mask
-
-    def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """``positions [B, T]`` as the model's rotary embedding takes them: the multimodal rotary of Qwen3.5 takes a
-        (time, height, width) position per token, all three equal for text (transformers 5.17 wants all three)."""
-        if hasattr(self.decoder.rotary_emb, "mrope_section"):
-            return positions.expand(3, *positions.shape)
-        return positions
+        return attention_inputs(self.decoder.rotary_emb, self.config._attn_implementation, h, layer.length,
+                                ancestors)
 
     def _projections(self, m, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A GDN module's input projections: the raw conv inputs q|k|v ``[B, T, conv_dim]``, the output gate z

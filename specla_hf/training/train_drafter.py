@@ -41,6 +41,7 @@ import lzma
 import math
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -408,6 +409,10 @@ def load_sequences(folders: list[Path]) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--mtp" in argv:            # an MTP head for a GDN hybrid target: its own trainer
+        from specla_hf.training import train_mtp
+        return train_mtp.main(argv)
     t_start = time.time()
     args = parse_args(argv)
     if args.resume and (args.init_from or args.sequences_from):
