@@ -184,6 +184,7 @@ def launch(drafter, ids: torch.LongTensor, max_length: int, stats: SpecLAStats) 
     stats.draft_time += time.perf_counter() - t
 
 
+@torch.no_grad()
 def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
                        stopping_criteria: StoppingCriteriaList, do_sample: bool, max_length: int, streamer=None,
                        keep_scores: bool = False, fallback: bool = False
