@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from transformers.generation.streamers import BaseStreamer
 
 from specla_hf.app.loading import Models
@@ -263,6 +264,7 @@ def steps_figure(run: Run) -> Figure:
     ax.bar(steps, stats.draft_nodes, color="none", edgecolor="#999999", label="draft nodes verified")
     ax.bar(steps, stats.accepted, color=COLORS[DRAFT], label="accepted drafts")
     ax.bar(steps, [1] * stats.steps, bottom=stats.accepted, color=COLORS[BONUS], label="target's token")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("verify step")
     ax.set_ylabel("tokens")
     ax.set_title(f"tokens per verify step (τ = {stats.tau:.2f})")
