@@ -208,6 +208,28 @@ def test_hub_ids_come_from_the_local_cache_first_and_fail_fast_when_the_hub_is_u
     assert unreachable.seconds < offline.seconds + 10 and cached.seconds < offline.seconds + 15
 
 
+def test_readme_examples_print_what_the_readme_says():
+    """The quick start's command and the "In Python" example, on the embedded models, from the repository root."""
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(r"## In Python\n+```python\n(.*?)```", readme, re.S).group(1)
+    summary = re.compile(r"^64 tokens in [\d.]+s \([\d.]+ tok/s\), tau=4\.27 over 15 verify steps, draft [\d.]+s, "
+                         r"verify [\d.]+s$", re.M)
+    assert summary.search(re.search(r"a line like\s+`([^`]+)`", readme).group(1))       # the line the README quotes
+    assert 'specla generate "def fibonacci(n):"' in readme
+    env = {**os.environ, "SPECLA_HOME": ""}
+    with ThreadPoolExecutor(2) as pool:
+        python, cli = pool.map(lambda cmd: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                                                          timeout=300),
+                               ([sys.executable, "-c", example],
+                                [sys.executable, "-m", "specla_hf.app.cli", "generate", "def fibonacci(n):"]))
+    assert python.returncode == 0, python.stderr[-3000:]
+    assert python.stdout.startswith("def fibonacci(n):\n") and summary.search(python.stdout), python.stdout
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    m = STATS.search(cli.stderr)
+    assert m and m.group(1) == "128" and m.group(7) == f"{DEFAULT_DRAFTER} (EAGLE-style aligned drafter)" \
+        and m.group(8), cli.stderr
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # in process
 # ---------------------------------------------------------------------------------------------------------------
