@@ -6,7 +6,8 @@
 For each case (drafted trees as the default drafter submits them, and deep ones: a main chain with side branches) it
 builds 21 layers of 1.3B-shape inputs (``bench_kernels.layer_inputs``), verifies them with the working tree's kernel
 for the factors, and commits the tree's deepest path, every layer's state and conv window in one launch:
-- ``base``: the other version as it is called (session 24's takes the accepted node and the ancestor mask);
+- ``base``: the other version as it is called (a version from before the path was handed over takes the accepted
+  node and the ancestor mask);
 - ``loop``: the working tree's kernel with the path as the device loop's acceptance step hands it over, ``host``
   as the host loop's commit graphs hold it (``bench_kernels.handed_paths``);
 - each of ``--tiles`` (``commit_tile`` overrides) with either path.

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from specla_kernels import pdl, reference as ref
+from specla_kernels import reference as ref, tuning
 from specla_kernels.gemv import _configs, _tuned_kernel, _tuned_split, gemv
 
 HID, H, HV, KD, VD, INTER, VOCAB, W, LAYERS = 2048, 6, 6, 256, 512, 5632, 16384, 4, 21
@@ -157,9 +157,8 @@ def measure(name: str, w: torch.Tensor, x: torch.Tensor, kw: dict, window: torch
     rhs = x[:w.shape[1]]
     copies = [w] + [w.clone() for _ in range(LAYERS - 1)]
     t_fused = bench([lambda c=c: gemv(c, x, **kw) for c in copies])
-    pdl.USE_PDL = False           # the same chain, each kernel waiting for the previous one to end
-    t_no_pdl = bench([lambda c=c: gemv(c, x, **kw) for c in copies])
-    pdl.USE_PDL = True
+    with tuning.using(pdl=False):          # the same chain, each kernel waiting for the previous one to end
+        t_no_pdl = bench([lambda c=c: gemv(c, x, **kw) for c in copies])
     t_rows = bench([lambda c=c: gemv(c, x, **kw, split=0) for c in copies])   # the row-owner kernel (no split-K)
     t_split = {f"split{cols}_us": bench([lambda c=c: gemv(c, x, **kw, split=cols) for c in copies]) * 1e3
                for cols in SPLITS}

@@ -20,18 +20,19 @@ from pathlib import Path
 import torch
 
 import specla_hf
-from specla_hf.autoregressive import autoregressive_decode
+from specla_hf.loop.autoregressive import autoregressive_decode
 from specla_hf.app.loading import load_models
-from specla_hf.models.fla_gdn import GDNRunner
+from specla_hf.models import adapter_for
 from specla_hf.training.inflate import inflate_pair
-from specla_kernels import gemv
+from specla_kernels import tuning
 
 METHODS = {   # name -> generate() keywords (None: our CUDA-graph AR; "hf": stock generate)
     "hf_generate": "hf",
     "graph_ar": None,
-    "specla_chain": dict(tree=False, confidence_threshold=0.0),
-    "specla_tree": dict(tree=True, confidence_threshold=0.0),
-    "specla_tree_pruned": dict(tree=True, confidence_threshold=0.05),
+    # speculation itself, to the end of each call (benchmarks/acceptance_curve.py measures the default fallback)
+    "specla_chain": dict(tree=False, confidence_threshold=0.0, autoregressive_fallback=False),
+    "specla_tree": dict(tree=True, confidence_threshold=0.0, autoregressive_fallback=False),
+    "specla_tree_pruned": dict(tree=True, confidence_threshold=0.05, autoregressive_fallback=False),
 }
 
 
@@ -75,7 +76,7 @@ def run_method(name, target, drafter, ids, n_new):
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     if kw is None:
-        seq, dt = timed(lambda: autoregressive_decode(GDNRunner.for_model(target), ids, n_new))
+        seq, dt = timed(lambda: autoregressive_decode(adapter_for(target), ids, n_new))
         stats = None
     elif kw == "hf":
         seq, dt = timed(lambda: target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
@@ -91,7 +92,7 @@ def run_method(name, target, drafter, ids, n_new):
 def prefill_seconds(target, ids) -> float:
     """The target's prompt pass (every method runs one, stock HF included): median of 3. Subtracted from a call's
     time it gives the decode-only time per token, which is what speculative decoding changes."""
-    runner = GDNRunner.for_model(target)
+    runner = adapter_for(target)
     times = [timed(lambda: runner.forward(ids[:, :-1], runner.new_cache(1), logits_positions=slice(0, 0)))[1]
              for _ in range(3)]
     return statistics.median(times)
@@ -130,7 +131,8 @@ def bench_target(label, target, drafter, tok, prompts, n_new, hf_prompts):
                     rec["match_ar"] = sum(a == b for a, b in zip(toks, ref)) / len(ref)
                     rec["identical_ar"] = toks == ref
                 if stats is not None:
-                    rec.update(tau=stats.tau, steps=stats.steps, draft_s=stats.draft_time, verify_s=stats.verify_time,
+                    rec.update(tau=stats.tau, steps=stats.steps, mode=stats.mode, draft_s=stats.draft_time,
+                               verify_s=stats.verify_time,
                                draft_nodes=statistics.mean(stats.draft_nodes),
                                rejected_per_step=stats.rejected_nodes_per_step)
                 per[name].append(rec)
@@ -193,10 +195,11 @@ def fp32_equality(target, drafter, tok, texts, n_new, hf_prompts: int = 3):
     same = ar_hf = 0
     for i, text in enumerate(texts):
         ids = tok(text, return_tensors="pt").input_ids[:, :64].to(target.device)
-        ref = autoregressive_decode(GDNRunner.for_model(target), ids, n_new)
+        ref = autoregressive_decode(adapter_for(target), ids, n_new)
         same += all(torch.equal(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
                                                 do_sample=False, assistant_model=drafter, tree=tree,
-                                                confidence_threshold=0.0), ref) for tree in (False, True))
+                                                confidence_threshold=0.0, autoregressive_fallback=False), ref)
+                    for tree in (False, True))
         if i < hf_prompts:
             ar_hf += torch.equal(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
                                                  do_sample=False), ref)
@@ -262,7 +265,7 @@ def main():
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "max_new_tokens": args.max_new_tokens,
             "specla": specla_hf.__version__,
             # the one-token step's GEMV launches come from this table where it covers them (benchmarks/tune_step.py)
-            "gemv_step_configs": list(gemv.STEP_CONFIGS)}
+            "gemv_step_configs": list(tuning.active().gemv_step_configs)}
     if args.device == "cuda":
         check_kernels(meta)
     print(meta, flush=True)

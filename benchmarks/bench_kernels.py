@@ -37,7 +37,8 @@ from specla_kernels import reference as ref
 from specla_kernels.commit import PATH_CHUNK, commit_, root_path
 from specla_kernels.ops import commit_state_
 from specla_kernels.tree_conv import tree_conv
-from specla_kernels.tree_delta import SWEEPS, tree_ancestors, tree_config, tree_gated_delta_rule
+from specla_kernels import tuning
+from specla_kernels.tree_delta import tree_ancestors, tree_config, tree_gated_delta_rule
 
 LAYERS, H, HV, K, V, B = 21, 6, 6, 256, 512, 1
 CONV_D, CONV_W = 2 * H * K + HV * V, 4            # q|k|v raw projections share one depthwise conv of width 4
@@ -53,19 +54,19 @@ SWEEP = {16: [dict(BV=32), dict(num_warps=4), dict(BV=32, num_warps=4), dict(BK=
               dict(num_stages=2), dict(num_stages=4), dict(BK=32, num_stages=4)],
          128: [dict(BC=32), dict(num_warps=4), dict(num_warps=16), dict(BV=16), dict(BV=64), dict(BK=32),
                dict(BK=16, BV=16)]}
-# the other solve at each size (tree_delta.SWEEPS): depth sweeps where the default is the block solve, at its shape
+# the other solve at each size (tuning's tree_sweeps): depth sweeps where the default is the block solve, at its shape
 # and at V slices and warps its fewer [BN, BN] tiles may favour, and the block solve where the default sweeps shallow
 # trees (the shapes above are swept with that default). A tree deeper than the SWEEP_MAX used takes the block solve
 _SWEEPS_EXTRA = {16: [{}, dict(BV=32)], 32: [{}, dict(BV=16)]}
 for _bn in SWEEP:
-    SWEEP[_bn] += [dict(SWEEP_MAX=0)] if _bn in SWEEPS else [dict(SWEEP_MAX=16, **e) for e in _SWEEPS_EXTRA[_bn]]
+    SWEEP[_bn] += [dict(SWEEP_MAX=0)] if _bn in tuning.active().tree_sweeps else [dict(SWEEP_MAX=16, **e) for e in _SWEEPS_EXTRA[_bn]]
 # up to 8 nodes: the node-by-node kernel at other V slices and warps, and the WY/UT kernel
 SMALL_SWEEP = [dict(SMALL=True, BV=bv, num_warps=w)
                for bv, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
-# state tiles [BV, BK] of one commit program (and path nodes per dot, BP). Also measured, at 16 / 1 nodes (session 15,
-# bench_kernels_2026-12-01_s15call1_commit_warps): 2 warps [64, 64] 57.1 / 56.6 us, [32, 64] 55.5 / 51.9; 1 warp
-# [64, 64] 59.1 / 56.9; whole state rows [16, 256] 68.9 (2 warps) and 61.7 (4), [32, 256] 62.0 (4), [32, 128] 65.9 (2);
-# against the default's 54.9 / 50.4: fewer warps or contiguous rows do not raise the commit's DRAM rate
+# state tiles [BV, BK] of one commit program (and path nodes per dot, BP). Not swept, measured on the H200 against the
+# then default's 54.9 / 50.4 us at 16 / 1 nodes (21 layers): 2 warps [64, 64] 57.1 / 56.6 us, [32, 64] 55.5 / 51.9;
+# 1 warp [64, 64] 59.1 / 56.9; whole state rows [16, 256] 68.9 (2 warps) and 61.7 (4), [32, 256] 62.0 (4), [32, 128]
+# 65.9 (2): fewer warps or contiguous rows do not raise the commit's DRAM rate
 # Each entry is a whole tile (it replaces commit_tile's): state tiles with and without the alignment hint (ALIGN=1:
 # 32-bit accesses), path chunks of 16 and 32 nodes (BP), 8 warps
 COMMIT_SWEEP = [dict(BV=bv, BK=bk, BP=16, ALIGN=align, num_warps=4)

@@ -10,10 +10,11 @@ budget)``; once under 20 s of the budget are left, the remaining stages are skip
 ``{work}/{name}.log`` as it is printed (``{work}`` in a command is the work folder, ``$OUT/stages`` by default, so
 files a stage writes there come back too), and the whole work folder is packed into ``$OUT/stages.tgz`` every 15 s
 and after each stage: a stage killed at its limit, or the call killed at the device's, loses at most the last 15 s.
-``stages.txt`` in it lists each stage's exit status and seconds. (Session 11 lost a profile and half a test run to limits that killed a pipeline before it wrote.)
+``stages.txt`` in it lists each stage's exit status and seconds. (Without this, a limit that kills a pipeline before
+it writes loses everything the pipeline measured.)
 
-A fresh machine spends minutes compiling Triton kernels (session 18: the 1.3B headline's warm-up took 238 s cold
-against 49 s warm), and a machine left idle for half a minute is handed back. ``--triton-cache TGZ`` unpacks ``TGZ``
+A fresh machine spends minutes compiling Triton kernels (the 1.3B headline's warm-up took 238 s cold against 49 s
+warm on an H200), and a machine left idle for half a minute is handed back. ``--triton-cache TGZ`` unpacks ``TGZ``
 (when it exists) into ``$TRITON_CACHE_DIR`` before the stages and packs that folder, without the kernels'
 intermediate IRs, into ``$OUT/triton-cache.tgz`` after them (give it seconds of the call's time beyond the budget),
 so the next call can carry it back (copy it into the carried ``.device`` folder first). Triton keys each cached
@@ -42,8 +43,8 @@ _PACKING = threading.Lock()       # the packer thread and the main loop both pac
 
 def pack(work: Path, archive: Path) -> None:
     """``work`` as a gzipped tar at ``archive``, written beside it first so that a kill mid-write keeps the last one.
-    A running stage may remove or rename a file while it is packed (session 21: a trace gzipped in place): it is
-    skipped, and the next pack has it under its new name."""
+    A running stage may remove or rename a file while it is packed (a trace gzipped in place, say): it is skipped,
+    and the next pack has it under its new name."""
     with _PACKING:
         tmp = archive.with_suffix(".tmp")
         with tarfile.open(tmp, "w:gz") as tar:
@@ -79,7 +80,8 @@ def pack_cache(cache: Path, archive: Path) -> str:
     comes out of the call's time. Over what the device returns, the most recently used compile groups that fit are
     kept (a file's access time, which a relatime mount updates on the first read after extraction, else its
     modification time): Triton keys a group by its kernel's source, so the least recently used are mostly earlier
-    versions of edited kernels, never hit again (session 24: 20-23 MiB packed, dropped whole)."""
+    versions of edited kernels, never hit again (a cache of a day's edits packed to 20-23 MiB, which would otherwise
+    be dropped whole)."""
     def keep(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
         return None if Path(member.name).suffix in IR_SUFFIXES else member
 

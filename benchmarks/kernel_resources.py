@@ -6,12 +6,12 @@ launch shapes, without a GPU. Each kernel's launch at the 1.3B shapes is interce
 
 ``--sass DIR`` also writes each kernel's sm_90 SASS (Triton's bundled ``nvdisasm``) to ``DIR`` and reports its
 instruction count and the body of each loop (label to backward branch): a latency-bound kernel's time follows the
-instructions on its path (session 22 cut the tree verify's sweep from 372 to 123 that way before timing it).
+instructions on its path (the tree verify's depth sweep went from 372 to 123 instructions a warp that way, found
+in the SASS before it was timed).
 
-A kernel that spills keeps part of its working set in local memory (L1/L2 round trips on its critical path). Session 7
-found the tree verify at 255 registers with 1.3-5.5 KB of spill stores per thread from 32 nodes up: a lead for the
-launch-shape sweep of ``benchmarks/bench_kernels.py``, which decides on the GPU. (The GPU's Triton may allocate
-differently from this machine's.)
+A kernel that spills keeps part of its working set in local memory (L1/L2 round trips on its critical path): a lead
+for the launch-shape sweep of ``benchmarks/bench_kernels.py``, which decides on the GPU. (The GPU's Triton may
+allocate differently from this machine's: install its version beside yours for these reports.)
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_kernels_compile import call_every_wrapper, compile_for_h200, recording_launches  # noqa: E402
 
-from specla_kernels import pdl, tree_delta  # noqa: E402
+from specla_kernels import pdl, tree_delta, tuning  # noqa: E402
 
 # launch shapes of the tree verify to report beside tree_config's, per padded node count
 TREE_CONFIGS = {16: [dict(num_warps=4), dict(BK=32)],
@@ -37,7 +37,7 @@ TREE_CONFIGS = {16: [dict(num_warps=4), dict(BK=32)],
                      dict(BK=32, num_warps=8)],
                 128: [dict(BV=16), dict(BV=16, num_warps=16), dict(BK=32), dict(BK=16, BV=16)]}
 for _bn, _configs in TREE_CONFIGS.items():   # the other solve at each size (block solve where the default sweeps)
-    _configs.append(dict(SWEEP_MAX=0 if tree_delta.SWEEPS.get(_bn) else 16))
+    _configs.append(dict(SWEEP_MAX=0 if tuning.active().tree_sweeps.get(_bn) else 16))
 
 
 def ptxas_resources(ptx: str) -> dict[str, int]:

@@ -1,5 +1,5 @@
-"""Run each kernel whose time issue 3 and 5 measure once, eagerly, at the 1.3B shape, so Nsight Compute can read its
-hardware counters: the one-token step's five fused GEMVs, fla's one-token recurrence, the tree verify at 16 and 64
+"""Run each kernel of the one-token step and of verification once, eagerly, at the 1.3B shape, so Nsight Compute can
+read its hardware counters: the one-token step's five fused GEMVs, fla's one-token recurrence, the tree verify at 16 and 64
 nodes (the drafted tree's shape) and the all-layer commit of 16 and 64 nodes.
 
     python benchmarks/ncu_kernels.py          # first: compiles, and tunes the GEMVs (cached with

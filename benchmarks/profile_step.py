@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 from collections.abc import Callable
@@ -35,11 +36,11 @@ import torch
 
 import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.app.loading import load_models
-from specla_hf.runtime.transfer import copy_in
 from specla_hf.drafters.eagle import _BlockRunner
 from specla_hf.models.fla_gdn import GDNRunner
+from specla_hf.runtime.transfer import copy_in
 from specla_hf.training.inflate import inflate_pair
-from specla_kernels import gemv, pdl, tree_delta
+from specla_kernels import tuning
 
 
 def cuda_ms(fn, reps: int = 50, warmup: int = 5) -> float:
@@ -169,90 +170,91 @@ def setting_ab(big, drafter, prompt: torch.Tensor, token: torch.Tensor, gen: tor
     toks9 = torch.randint(0, big.config.vocab_size, (1, 9), generator=gen).to(dev)
     tree9 = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 1, 1]], device=dev)
     setups = {}
-    for name, apply in settings.items():
-        apply()
-        runner = GDNRunner(big)
-        cache = runner.new_cache(1)
-        runner.forward(prompt, cache, logits_positions=slice(0, 0))
-        drunner = _BlockRunner(drafter, big)
-        dcache = drunner.new_cache(1)
-
-        def verify(ids, parents, runner=runner, cache=cache):
-            runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
-            cache.discard()
-
-        def draft_tree9(drunner=drunner, dcache=dcache):
-            drunner.forward((feats9, toks9), dcache, parents=tree9)
-            dcache.discard()
-        calls = {"ar_step": lambda runner=runner, cache=cache: runner.forward(token, cache),
-                 "ar_loop32": lambda runner=runner, cache=cache: ar_tokens(runner, token, cache, 32),
-                 **{f"verify_{n}": lambda t=t: verify(*t) for n, t in trees.items()}, "draft_tree9": draft_tree9}
-        for call in calls.values():
-            call()                                          # captured now, under this setting
-        setups[name] = calls
-    DEFAULTS()
+    for name, setting in settings.items():
+        with _applied(setting):
+            setups[name] = _build_setup(big, drafter, prompt, token, trees, feats9, toks9, tree9)
     times = {k: collections.defaultdict(list) for k in setups}
     names = list(setups)
     for r in range(rounds):
-        # the order rotates: in session 6, with PDL "on" always first, the drafter pass (no PDL kernel in it, so PDL
-        # cannot be the cause) took 0.334 ms "on" and 0.247 ms "off"
+        # the order rotates: with PDL "on" always timed first, the drafter pass (no PDL kernel in it, so PDL cannot be
+        # the cause) measured 0.334 ms "on" and 0.247 ms "off"
         for k in names[r % len(names):] + names[:r % len(names)]:
             for name, call in setups[k].items():
                 times[k][name].append(cuda_ms(call, reps=10 if name == "ar_loop32" else 50))
     return {k: {name: statistics.median(v) for name, v in t.items()} for k, t in times.items()}
 
 
-def _setting(**values):
-    """A function that sets ``pdl.USE_PDL``, ``pdl.SMALL_KERNELS``, ``gemv.SPLIT_MAX_ROWS``, ``gemv.SPLIT_COLS``,
-    ``gemv.ROW_CONFIG``, ``gemv.STEP_CONFIGS``, ``tree_delta.SMALL_MAX``, ``tree_delta.SWEEPS`` and torch's preferred
-    BLAS library (keys ``pdl``, ``pdl_small``, ``split_rows``, ``split_cols``, ``row_config``, ``step_configs``
-    (whether the table ``benchmarks/tune_step.py`` wrote is used; by default it is unless a GEMV launch key is given,
-    which it would override), ``small_max``, ``sweeps``, ``blas``) to the values given and the others to their
-    defaults. (Also compared here and removed: in session 7 an L2 prefetch of the next GEMV's weights,
-    0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms, and a one-token recurrence kernel of our own with PDL
-    against fla's: 1.183 vs 1.148 ms; in session 9 PDL off for the row-owner GEMVs only, as bench_gemv's back-to-back
-    copies of gate_up and lm_head suggested: 1.175 vs 1.136 ms; in session 20 a second recurrence kernel of ours,
-    fla's arithmetic and launch shape with its state slice read before the PDL wait: ar_step 1.142 vs fla's
-    1.129 / 1.146 ms, 32 steps 35.24 vs 35.70 / 35.50 ms, commit 66d3de7, reverted.)"""
-    def apply():
-        pdl.USE_PDL = values.get("pdl", True)
-        pdl.SMALL_KERNELS = values.get("pdl_small", _PDL_SMALL)
-        gemv.SPLIT_MAX_ROWS = values.get("split_rows", _GEMV_DEFAULTS[0])
-        gemv.SPLIT_COLS = values.get("split_cols", _GEMV_DEFAULTS[1])
-        gemv.ROW_CONFIG = values.get("row_config")
-        launch_keys = {"split_rows", "split_cols", "row_config"} & values.keys()
-        gemv.STEP_CONFIGS = _STEP_CONFIGS if values.get("step_configs", not launch_keys) else {}
-        tree_delta.SMALL_MAX = values.get("small_max", _SMALL_MAX)
-        tree_delta.SWEEPS = values.get("sweeps", _SWEEPS)
-        torch.backends.cuda.preferred_blas_library(values.get("blas", _BLAS))
-    return apply
+def _build_setup(big, drafter, prompt, token, trees, feats9, toks9, tree9) -> dict:
+    """Runners for one setting, each call run once (captured now, under the setting); the calls to time."""
+    runner = GDNRunner(big)
+    cache = runner.new_cache(1)
+    runner.forward(prompt, cache, logits_positions=slice(0, 0))
+    drunner = _BlockRunner(drafter, big)
+    dcache = drunner.new_cache(1)
+
+    def verify(ids, parents, runner=runner, cache=cache):
+        runner.forward(ids, cache, parents=parents, hidden_layers=(1, 2, 21))
+        cache.discard()
+
+    def draft_tree9(drunner=drunner, dcache=dcache):
+        drunner.forward((feats9, toks9), dcache, parents=tree9)
+        dcache.discard()
+    calls = {"ar_step": lambda runner=runner, cache=cache: runner.forward(token, cache),
+             "ar_loop32": lambda runner=runner, cache=cache: ar_tokens(runner, token, cache, 32),
+             **{f"verify_{n}": lambda t=t: verify(*t) for n, t in trees.items()}, "draft_tree9": draft_tree9}
+    for call in calls.values():
+        call()                                          # captured now, under this setting
+    return calls
 
 
-_GEMV_DEFAULTS = (gemv.SPLIT_MAX_ROWS, gemv.SPLIT_COLS)
-_STEP_CONFIGS = gemv.STEP_CONFIGS
-_SMALL_MAX = tree_delta.SMALL_MAX
-_SWEEPS = tree_delta.SWEEPS
-_PDL_SMALL = pdl.SMALL_KERNELS
+def _setting(**values) -> dict:
+    """``tuning.KernelTuning`` changes (and torch's preferred BLAS library) from the keys ``pdl``, ``pdl_small``,
+    ``split_rows``, ``split_cols``, ``row_config``, ``step_configs`` (whether the table ``benchmarks/tune_step.py``
+    wrote is used; by default it is unless a GEMV launch key is given, which it would override), ``small_max``,
+    ``sweeps``, ``blas``; the others keep their defaults. (Also compared here and removed, H200: an L2 prefetch of the
+    next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms; a one-token recurrence kernel of
+    our own with PDL against fla's: 1.183 vs 1.148 ms; PDL off for the row-owner GEMVs only: 1.175 vs 1.136 ms.)"""
+    names = {"pdl": "pdl", "pdl_small": "pdl_small_kernels", "split_rows": "gemv_split_max_rows",
+             "split_cols": "gemv_split_cols", "row_config": "gemv_row_config", "small_max": "tree_small_max",
+             "sweeps": "tree_sweeps"}
+    changes = {names[k]: v for k, v in values.items() if k in names}
+    launch_keys = {"split_rows", "split_cols", "row_config"} & values.keys()
+    if not values.get("step_configs", not launch_keys):
+        changes["gemv_step_configs"] = {}
+    return dict(tuning=changes, blas=values.get("blas", _BLAS))
+
+
+@contextlib.contextmanager
+def _applied(setting: dict):
+    """Kernels launched or captured inside run under ``setting`` (``_setting``)."""
+    torch.backends.cuda.preferred_blas_library(setting["blas"])
+    try:
+        with tuning.using(**setting["tuning"]):
+            yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(_BLAS)
+
+
 _BLAS = torch.backends.cuda.preferred_blas_library()    # the library verify and drafter passes' GEMMs use
-DEFAULTS = _setting()
 AB = {  # name -> its settings; a setting repeated last shows what the build order alone does
     "step_configs": {"autotuner": _setting(step_configs=False), "step-tuned table": _setting(),
                      "autotuner again": _setting(step_configs=False)},
     "pdl": {"on": _setting(pdl=True), "off": _setting(pdl=False), "on again": _setting(pdl=True)},
-    "split": {"default": _setting(), "session 8 (<= 4096 rows, 512 columns)": _setting(split_rows=4096,
+    "split": {"default": _setting(), "<= 4096 rows, 512 columns": _setting(split_rows=4096,
               split_cols=512), "none": _setting(split_rows=0), "default again": _setting()},
-    # the node-by-node tree verify inside the model: session 11's verify_4 took 1.81 ms against verify_8's 1.71 (the
-    # WY/UT kernel's 4-node pass had been 2-3% under its 8-node one), though the kernel alone wins at 4 nodes
+    # the node-by-node tree verify inside the model: a graphed 4-node pass with it measured 1.81 ms against 1.71 for
+    # 8 nodes (with the WY/UT kernel the 4-node pass had been 2-3% under the 8-node one), though the kernel alone wins
+    # at 4 nodes
     "small": {"default": _setting(), "no node-by-node kernel": _setting(small_max=0), "default again": _setting()},
-    # the verify pass's small kernels (tree conv, gates, tree verify, gated norm) launched with PDL (session 11)
+    # the verify pass's small kernels (tree conv, gates, tree verify, gated norm) launched with PDL
     "pdl_small": {"default": _setting(), "small kernels with PDL": _setting(pdl_small=True),
                   "default again": _setting()},
-    # the verify pass's GEMMs (1.03 of a 64-node pass's 1.87 ms of kernels in session 11) through cuBLASLt's choice
+    # the verify pass's GEMMs (~1.0 ms of a 64-node pass's 1.75 ms of kernels, H200) through cuBLASLt's choice
     "blas": {"default": _setting(), "cuBLASLt": _setting(blas="cublaslt"), "default again": _setting()},
-    # the tree verify's solve by depth sweeps where tree_delta.SWEEPS has them (64, 128 nodes), against the block solve
+    # the tree verify's solve by depth sweeps where tuning's tree_sweeps has them (64, 128 nodes), against the block solve
     "sweep": {"default": _setting(), "block solve only": _setting(sweeps={}), "default again": _setting()},
-    # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (session 14:
-    # on plain products split-K streamed at 4.1 TB/s, the row-owner kernel at 3.1)
+    # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (on plain
+    # products on the H200 split-K streamed at 4.1 TB/s, the row-owner kernel with two stages at 3.1)
     "rows": {"default": _setting(),
              "3 stages, (4 rows, 2 per SM, 8 warps)": _setting(row_config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8)),
              "3 stages, (2 rows, 4 per SM, 4 warps)": _setting(row_config=dict(BN=2, PER_SM=4, STAGES=3, num_warps=4)),
@@ -389,7 +391,7 @@ def main():
     res["floor_ms"] = weight_bytes / 4.2e12 * 1e3            # all weights once at the measured ~4.2 TB/s copy rate
 
     # whole decoding calls, 48 new tokens after a 64-token prompt: where the wall time of a step goes
-    from specla_hf.autoregressive import autoregressive_decode
+    from specla_hf.loop.autoregressive import autoregressive_decode
     prompt = prompt[:, :64]
     n_new = 48
     res["loop_ar"] = loop_profile(lambda: autoregressive_decode(runner, prompt, n_new), args.out / "trace_ar.json")

@@ -5,7 +5,10 @@ of (draft depth, top-k, budget, confidence threshold). tau and node counts do no
 rounding), so this runs anywhere; with ``--verify-costs`` (a ``profile_step.json`` from the GPU) it also prints the
 verify cost of each shape's node bucket, to set against tau.
 
-    python benchmarks/tau_sweep.py --eval-dir ../shared/data/eval --out docs/results/tau_sweep.json
+    python benchmarks/tau_sweep.py --eval-dir DIR --out tau_sweep.json
+
+``DIR`` holds the prompt sets as ``benchmarks/bench_generate.py`` reads them (``mt_bench.jsonl``, ``humaneval.jsonl``,
+``alpaca_eval_80.jsonl``; see ``docs/results.md``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GPU: choose the one-token step's GEMV launch shapes by timing whole steps, and write them where ``gemv`` reads them.
 
 Triton's autotuner (``gemv._tuned_kernel`` / ``_tuned_split``) times each product alone, its weights flushed from L2:
-its picks differ from run to run and from what is best among the step's other kernels (session 14: in_proj's pick
+its picks differ from run to run and from what is best among the step's other kernels (on the H200 in_proj's pick
 took 21.3 us in a chain of its own copies, the best of the same candidates 13.3). Here each large product of the
 one-token step (at the 1.3B shape: in_proj, o_proj, gate_up, down, lm_head) is tried in every launch
 ``gemv.launch_candidates`` lists (row-owner shapes, split-K at 256, 512 and 1024 columns) inside a CUDA graph of the
@@ -9,7 +9,7 @@ whole step, the other products at their current choice (coordinate descent: a fi
 then the best few of each product again, ``--rounds`` in all); a candidate's time is the median over its rounds of the median of several
 groups of back-to-back replays. Last, the chosen table and the autotuner are timed alternately. Writes ``--out``
 (the table, every candidate's times, the before/after step times); ``--install`` also writes the table to
-``gemv.STEP_CONFIGS_FILE``, which later processes load (commit it to ship it).
+``tuning.STEP_CONFIGS_FILE``, which later processes load (commit it to ship it).
 
     source .device/prelude.sh && export PYTHONPATH=$PWD/kernels:$PYTHONPATH && \\
         python benchmarks/tune_step.py --out $OUT/gemv_step_configs.json --install
@@ -30,7 +30,7 @@ from specla_hf.runtime.graphs import StaticCall
 from specla_hf.app.loading import load_models
 from specla_hf.models.fla_gdn import GDNRunner
 from specla_hf.training.inflate import inflate_pair
-from specla_kernels import gemv
+from specla_kernels import gemv, tuning
 
 NAMES = {(gemv.NORM.value, gemv.CONV.value): "in_proj", (gemv.GATED_NORM.value, gemv.NO_EPILOGUE.value): "o_proj",
          (gemv.NORM_ADD.value, gemv.NO_EPILOGUE.value): "gate_up", (gemv.SWIGLU.value, gemv.RESIDUAL.value): "down",
@@ -55,7 +55,7 @@ def step_products(runner: GDNRunner, cache, token: torch.Tensor) -> dict[tuple, 
 
 
 def step_ms(runner: GDNRunner, cache, token: torch.Tensor, groups: int = 5, reps: int = 20) -> float:
-    """One whole step captured under the current ``gemv.STEP_CONFIGS``: median over ``groups`` of the mean replay
+    """One whole step captured under the active tuning's ``gemv_step_configs``: median over ``groups`` of the mean replay
     time of ``reps`` back-to-back replays (CUDA events)."""
     graph = StaticCall(lambda: runner._decode_step(token, cache))
     for _ in range(3):
@@ -80,7 +80,7 @@ def describe(launch: dict) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--install", action="store_true", help=f"also write the table to {gemv.STEP_CONFIGS_FILE}")
+    ap.add_argument("--install", action="store_true", help=f"also write the table to {tuning.STEP_CONFIGS_FILE}")
     ap.add_argument("--rounds", type=int, default=3, help="the first over every candidate, the others over the best")
     ap.add_argument("--keep", type=int, default=3, help="candidates per product timed again after the first round")
     ap.add_argument("--compare", type=int, default=4, help="alternating rounds of table vs autotuner at the end")
@@ -93,11 +93,12 @@ def main():
         raise SystemExit("this model's one-token step does not take the fused GEMV path: nothing to tune")
     cache = runner.new_cache(1)
     token = torch.tensor([[7]], device="cuda")
-    gemv.STEP_CONFIGS = {}                               # start from the autotuner's picks
-    products = step_products(runner, cache, token)
+    with tuning.using(gemv_step_configs={}):              # start from the autotuner's picks
+        products = step_products(runner, cache, token)
     log = lambda *m: print(f"[{time.perf_counter() - t0:6.1f}s]", *m, flush=True)  # noqa: E731
     log("products:", {NAMES.get(k[4:6], k): len(c) for k, c in products.items()})
-    autotuned = step_ms(runner, cache, token)
+    with tuning.using(gemv_step_configs={}):
+        autotuned = step_ms(runner, cache, token)
     log(f"step with the autotuner's picks: {autotuned:.4f} ms")
     times: dict[tuple, dict[str, list[float]]] = {k: {} for k in products}
     chosen: dict[tuple, dict] = {}
@@ -106,16 +107,16 @@ def main():
             if rnd:
                 cands = sorted(cands, key=lambda c: statistics.median(times[key][describe(c)]))[:args.keep]
             for cand in cands:
-                gemv.STEP_CONFIGS = {**chosen, key: cand}
-                times[key].setdefault(describe(cand), []).append(step_ms(runner, cache, token))
+                with tuning.using(gemv_step_configs={**chosen, key: cand}):
+                    times[key].setdefault(describe(cand), []).append(step_ms(runner, cache, token))
             chosen[key] = min(cands, key=lambda c: statistics.median(times[key][describe(c)]))
             best = statistics.median(times[key][describe(chosen[key])])
             log(f"round {rnd + 1} {NAMES.get(key[4:6], key)}: {describe(chosen[key])} -> step {best:.4f} ms")
     compare = {"autotuner": [], "tuned": []}
     for r in range(args.compare):
         for name in (["autotuner", "tuned"] if r % 2 == 0 else ["tuned", "autotuner"]):
-            gemv.STEP_CONFIGS = {} if name == "autotuner" else dict(chosen)
-            compare[name].append(step_ms(runner, cache, token))
+            with tuning.using(gemv_step_configs={} if name == "autotuner" else dict(chosen)):
+                compare[name].append(step_ms(runner, cache, token))
     log("step ms, alternating:", {k: [round(t, 4) for t in v] for k, v in compare.items()})
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -128,7 +129,7 @@ def main():
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     if args.install:
-        gemv.STEP_CONFIGS_FILE.write_text(text)
+        tuning.STEP_CONFIGS_FILE.write_text(text)
     print("| product | launch | step ms |")
     for k in products:
         print(f"| {NAMES.get(k[4:6], '?')} | {describe(chosen[k])} | "

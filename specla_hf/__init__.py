@@ -1,9 +1,9 @@
 """SpecLA-HF: lossless speculative decoding for Gated DeltaNet models in Hugging Face Transformers.
 
 After ``import specla_hf``, ``model.generate(..., assistant_model=drafter)`` runs SpecLA's speculative decoding for
-flash-linear-attention's ``GatedDeltaNetForCausalLM``, and fla's Triton-only modules take a torch path on a CPU.
-Nothing heavy is imported here: each model library is patched when the user's code imports it, and the names below
-load on first use.
+flash-linear-attention's ``GatedDeltaNetForCausalLM`` and transformers' GDN hybrids (Qwen3.5, Qwen3.5-MoE,
+Qwen3-Next), and their Triton-only ops take a torch path on a CPU. Nothing heavy is imported here: each model library
+is patched when the user's code imports it, and the names below load on first use.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from specla_hf import _hooks
+from specla_hf.models import ADAPTERS
 
 __version__ = "0.1.0"
 
@@ -68,5 +69,13 @@ def _register_drafters(_module=None, fla_loaded: bool = False) -> None:
     dart.register_auto_classes()
 
 
+def _install_hybrid(module) -> None:
+    from specla_hf.models import qwen3_5
+
+    qwen3_5.install(module)
+
+
 _hooks.after_import("fla", _install_fla)
 _hooks.after_import("transformers.models.auto.modeling_auto", _register_drafters)
+for _module in sorted({m for (m, _), adapter in ADAPTERS.items() if adapter.endswith(":HybridRunner")}):
+    _hooks.after_import(_module, _install_hybrid)

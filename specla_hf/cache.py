@@ -4,8 +4,9 @@ top of it since the last commit.
 A GDN layer (``SpecLALayer``) keeps its recurrent state, its conv window and, per pending node, the compact factors
 ``k_hat [H, K]``, ``u [HV, V]``, the log-decay ``g [HV]`` and the raw pre-conv inputs: a verify pass leaves the
 committed state untouched, and ``commit`` rebuilds the state after the accepted root-to-node path with one
-rank-|path| update (``docs/design.md``). Nothing stores a state per draft node. Other layer kinds (a hybrid model's
-attention layers) keep their own pending entries and commit them from the accepted path (``commit_path``).
+rank-|path| update (``docs/kernels.md``). Nothing stores a state per draft node. A hybrid model's full-attention
+layer (``SpecLAAttentionLayer``) keeps the committed keys and values followed by the pending nodes', and commits by
+moving the accepted path's entries down (``commit_path``).
 
 The cache holds no position count: the decoding loop owns it (a commit recorded in a CUDA graph cannot tell the host
 how many tokens it kept).
@@ -89,6 +90,104 @@ class SpecLALayer(CacheLayerMixin):
         for t in self.committed():
             t.zero_()
         self.drop_pending()
+
+
+class SpecLAAttentionLayer(CacheLayerMixin):
+    """One full-attention layer of a hybrid model: the committed keys and values, then the pending nodes' (each
+    verified node's, in node order), in one buffer per tensor ``[B, KV heads, capacity, head dim]`` that grows by
+    doubling. The model's attention module reads the committed and pending positions as one contiguous slice; a
+    commit moves the accepted path's entries down to follow the committed ones."""
+
+    is_compileable = False
+
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.key_buffer = torch.empty(batch_size, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.value_buffer = torch.empty_like(self.key_buffer)
+        self.length = 0              # committed positions
+        self.num_pending = 0
+        self.device, self.batch_size = device, batch_size
+        self.is_initialized = True
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, pending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``keys``, ``values`` ``[B, KV heads, T, head dim]`` after the positions held, as pending nodes or
+        (``pending=False``) straight into the committed ones; returns every position's keys and values."""
+        if not pending and self.num_pending:
+            raise RuntimeError("commit or discard the pending draft nodes before consuming tokens directly")
+        start = self.length + self.num_pending
+        end = start + keys.shape[2]
+        if end > self.key_buffer.shape[2]:
+            self._grow(end)
+        self.key_buffer[:, :, start:end] = keys
+        self.value_buffer[:, :, start:end] = values
+        if pending:
+            self.num_pending += keys.shape[2]
+        else:
+            self.length = end
+        return self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.key_buffer.shape[2], 64)
+        held = self.length + self.num_pending
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :held] = old[:, :, :held]
+            setattr(self, name, new)
+
+    def commit_path(self, nodes: torch.Tensor, length: torch.Tensor) -> None:
+        """Keep the pending nodes ``nodes[b, :length[b]]`` (a root-to-node path, root first) right after the committed
+        positions and drop the other pending nodes. Reads ``length`` on the host: the committed length is a shape."""
+        counts = set(length.tolist())
+        if len(counts) != 1:
+            raise ValueError(f"sequences accepted paths of different lengths {sorted(counts)}; the attention cache "
+                             "keeps one length for the batch")
+        n = counts.pop()
+        B, H, _, D = self.key_buffer.shape
+        index = (self.length + nodes[:, :n]).view(B, 1, n, 1).expand(B, H, n, D)
+        for buffer in (self.key_buffer, self.value_buffer):
+            # gathered before written: a path node's entry may sit where an earlier path entry goes
+            buffer[:, :, self.length:self.length + n] = buffer.gather(2, index)
+        self.length += n
+        self.num_pending = 0
+
+    def drop_pending(self) -> None:
+        self.num_pending = 0
+
+    def pending(self) -> tuple:
+        """How many pending entries follow the committed ones (the layer's lengths are host integers: a CUDA graph
+        could not replay them, so this layer is driven without graphs)."""
+        return (self.num_pending,)
+
+    def set_pending(self, pending: tuple) -> None:
+        (self.num_pending,) = pending
+
+    def committed(self) -> tuple[torch.Tensor, ...]:
+        return self.key_buffer, self.value_buffer
+
+    def factor_bytes(self) -> int:
+        B, H, _, D = self.key_buffer.shape
+        return 2 * B * H * self.num_pending * D * self.key_buffer.element_size()
+
+    # ---- CacheLayerMixin interface: this layer is driven by a SpecLA adapter, not by a model's forward ----
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        pass  # the buffers grow on use
+
+    def update(self, *args, **kwargs):
+        raise TypeError("SpecLACache is advanced by specla_hf's decoding loop through a model adapter; it cannot be "
+                        "passed as `past_key_values` to a model forward. Use model.generate(..., assistant_model=...).")
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = self.num_pending = 0
 
 
 class SpecLACache(Cache):

@@ -1,14 +1,19 @@
-"""``GatedDeltaNetForCausalLM.generate(..., assistant_model=drafter)`` runs SpecLA speculative decoding.
+"""``model.generate(..., assistant_model=drafter)`` runs SpecLA speculative decoding.
 
-transformers refuses assisted generation for every stateful model. ``install()`` (run on ``import specla_hf``) gives
-fla's ``GatedDeltaNetForCausalLM`` a ``generate`` that, when an ``assistant_model`` is passed, hands transformers our
-decoding loop as a ``custom_generate`` callable: transformers still prepares the ``GenerationConfig``, the logits
-processors (temperature, top-k/p, repetition penalty, ...) and the stopping criteria (max length, EOS, stop strings),
-exactly as for plain decoding, and our loop applies them. Without an assistant the stock ``generate`` runs.
+transformers refuses assisted generation for every stateful model. ``patch_generate`` gives a supported model class
+(fla's ``GatedDeltaNetForCausalLM``; transformers' Qwen3.5, Qwen3.5-MoE and Qwen3-Next) a ``generate`` that, when an
+``assistant_model`` is passed, hands transformers our decoding loop as a ``custom_generate`` callable: transformers
+still prepares the ``GenerationConfig``, the logits processors (temperature, top-k/p, repetition penalty, ...) and
+the stopping criteria (max length, EOS, stop strings), exactly as for plain decoding, and our loop applies them. The
+assistant goes to our loop under its own keyword, so transformers sees no assisted generation and does not refuse
+stateful models. Without an assistant the stock ``generate`` runs, unless ``specla=True`` asks for SpecLA's
+autoregressive loop (CUDA graphs, the fused one-token step) with the same options.
 
 Extra ``generate`` keywords: ``tree`` (bool), ``tree_budget``, ``tree_topk``, ``draft_depth``,
-``confidence_threshold``, ``adaptive_drafting``. After the call ``model.specla_stats`` holds a ``SpecLAStats``; with
-``return_dict_in_generate=True`` the output carries it as ``specla_stats`` too.
+``confidence_threshold``, ``adaptive_drafting``, ``autoregressive_fallback`` (default on: decode autoregressively
+once speculation costs more per token than an autoregressive step on this device), ``specla``. After the call
+``model.specla_stats`` holds a ``SpecLAStats`` (its ``mode`` says whether speculation ran to the end, and why not);
+with ``return_dict_in_generate=True`` the output carries it as ``specla_stats`` too.
 """
 from __future__ import annotations
 
@@ -26,12 +31,17 @@ from specla_hf.loop.stats import SpecLAStats
 from specla_hf.models import adapter_class, adapter_for
 
 CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
-# a tree of budget + 1 nodes is verified in a power-of-two bucket: 63 drafts + the root fill the 64-node bucket. With
-# the session-6 drafter (tau > 5) depth 6 capped the tree: on the H200 at the 1.3B shape, depth 8 / top-4 / budget 63
-# decoded at 2.05-2.20x our AR against 2.03-2.08x for 6 / 4 / 31 in the same run (docs/results.md, session 6). No
-# pruning by default: a verify pass costs about the same from 4 to 32 nodes on the H200, so pruning loses more tau
-# than it saves time (same run: 1.63-1.82x); pass confidence_threshold to prune
+# a tree of budget + 1 nodes is verified in a power-of-two bucket: 63 drafts + the root fill the 64-node bucket. No
+# pruning by default: on the H200 at the 1.3B shape a verify pass costs about the same from 4 to 32 nodes, so pruning
+# loses more tau than it saves time (docs/results.md)
 TREE_DEFAULTS = DraftOptions(depth=8, topk=4, budget=63, threshold=0.0)
+AUTOREGRESSIVE_FALLBACK = True      # generate()'s default for ``autoregressive_fallback``
+
+
+# generate() inputs other than token ids, by the kind of input they carry (transformers 5.23 encodes images and
+# videos before the decoding method runs and hands them on as mm_encoder_outputs, keyed by kind)
+NON_TEXT_INPUTS = {"pixel_values": "image", "image_grid_thw": "image", "pixel_values_videos": "video",
+                   "video_grid_thw": "video", "inputs_embeds": "inputs_embeds"}
 
 
 @dataclass
@@ -60,7 +70,8 @@ def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter
     if not isinstance(assistant, torch.nn.Module):
         raise TypeError(f"assistant_model must be a drafter model or a SpecLA DynamicTreeDrafter, got "
                         f"{type(assistant).__name__}")
-    t_vocab, d_vocab = target.config.vocab_size, assistant.config.vocab_size
+    # a vision-language model keeps its vocabulary in its text config
+    t_vocab, d_vocab = (m.config.get_text_config().vocab_size for m in (target, assistant))
     # a target-aligned drafter (specla_hf.drafters.eagle) reads the target's hidden features: it checks the fit itself
     aligned = getattr(assistant, "is_specla_drafter", False)
     if aligned:
@@ -117,6 +128,12 @@ def _check_generation(model, input_ids, generation_config, model_kwargs) -> None
     if getattr(cfg, "prompt_lookup_num_tokens", None) or getattr(cfg, "assistant_early_exit", None):
         raise ValueError("prompt_lookup_num_tokens / assistant_early_exit pick other candidate generators; pass only "
                          "assistant_model to use SpecLA")
+    other = {kind for key, kind in NON_TEXT_INPUTS.items() if model_kwargs.get(key) is not None}
+    other |= {kind for kind, encoded in (model_kwargs.get("mm_encoder_outputs") or {}).items() if encoded is not None}
+    if other:
+        raise ValueError(f"SpecLA decodes a text prompt given as token ids, got {' and '.join(sorted(other))} "
+                         "inputs: pass input_ids only, or drop assistant_model to generate from images, videos or "
+                         "embeddings")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("attention_mask has padding; SpecLA decodes one unpadded sequence")
@@ -128,42 +145,62 @@ def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, gene
                      specla_assistant=None, specla_streamer=None, tree: bool | None = None,
                      tree_budget: int | None = None, tree_topk: int | None = None, draft_depth: int | None = None,
                      confidence_threshold: float | None = None, adaptive_drafting: bool | None = None,
-                     **model_kwargs):
-    """transformers ``custom_generate`` callable: the SpecLA loop under transformers' own generation setup."""
+                     autoregressive_fallback: bool | None = None, **model_kwargs):
+    """transformers ``custom_generate`` callable: the SpecLA loop under transformers' own generation setup (without
+    an assistant: its autoregressive loop)."""
     _check_generation(model, input_ids, generation_config, model_kwargs)
-    options = draft_options(tree, tree_budget, tree_topk, draft_depth, confidence_threshold, adaptive_drafting)
-    drafter = make_drafter(model, specla_assistant, options)
     target = adapter_for(model)
+    drafter = None
+    if specla_assistant is not None:
+        options = draft_options(tree, tree_budget, tree_topk, draft_depth, confidence_threshold, adaptive_drafting)
+        drafter = make_drafter(model, specla_assistant, options)
+    fallback = AUTOREGRESSIVE_FALLBACK if autoregressive_fallback is None else autoregressive_fallback
     if specla_streamer is not None:
         specla_streamer.put(input_ids.cpu())
     cfg = generation_config
     keep = bool(cfg.return_dict_in_generate and (cfg.output_scores or cfg.output_logits))
     sequences, stats, scores, logits = speculative_decode(
         target, drafter, input_ids, logits_processor, stopping_criteria, do_sample=bool(cfg.do_sample),
-        max_length=cfg.max_length, streamer=specla_streamer, keep_scores=keep)
+        max_length=cfg.max_length, streamer=specla_streamer, keep_scores=keep, fallback=fallback)
     if specla_streamer is not None:
         specla_streamer.end()
     model.specla_stats = stats
     if not cfg.return_dict_in_generate:
         return sequences
+    past_key_values = (_plain_decoding_cache(target, sequences, stats.committed_positions)
+                       if hasattr(target, "transformers_cache") else None)
     return SpecLAGenerateOutput(sequences=sequences, scores=tuple(scores) if cfg.output_scores else None,
-                                logits=tuple(logits) if cfg.output_logits else None, specla_stats=stats)
+                                logits=tuple(logits) if cfg.output_logits else None,
+                                past_key_values=past_key_values, specla_stats=stats)
+
+
+def _plain_decoding_cache(target, sequences: torch.LongTensor, committed: int):
+    """The transformers cache plain decoding leaves after ``sequences``: every token but the last consumed. Built from
+    the loop's committed state (``target.last_cache``, ``committed`` positions) when it holds exactly those; when a
+    stopping criterion cut an accepted block short, the state has run past the cut and cannot be rolled back, so the
+    kept tokens are consumed into a fresh cache instead (one prefill pass)."""
+    cache = target.last_cache
+    if committed != sequences.shape[1] - 1:
+        cache = target.new_cache(1)
+        target.forward(sequences[:, :-1].to(target.device), cache, logits_positions=slice(0, 0))
+    return target.transformers_cache(cache)
 
 
 def patch_generate(model_class) -> None:
-    """Give ``model_class`` a ``generate`` that runs SpecLA when an ``assistant_model`` is passed (module docstring);
-    without one the class's own ``generate`` runs. Idempotent."""
+    """Give ``model_class`` a ``generate`` that runs SpecLA when an ``assistant_model`` is passed or ``specla=True``
+    (module docstring); otherwise the class's own ``generate`` runs. Idempotent."""
     stock = model_class.generate
     if getattr(stock, "specla", False):
         return
 
     def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
-                 prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None, **kwargs):
-        if assistant_model is None:
+                 prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None, specla=False,
+                 **kwargs):
+        if assistant_model is None and not specla:
             return stock(self, inputs, generation_config, logits_processor, stopping_criteria,
                          prefix_allowed_tokens_fn, synced_gpus, streamer=streamer, **kwargs)
         if kwargs.get("custom_generate") is not None:
-            raise ValueError("custom_generate cannot be combined with assistant_model under SpecLA")
+            raise ValueError("custom_generate cannot be combined with SpecLA decoding (assistant_model / specla)")
         stopping_criteria = _with_stop_strings(self, generation_config, stopping_criteria, kwargs)
         generation_config = kwargs.pop("generation_config", generation_config)
         return GenerationMixin.generate(

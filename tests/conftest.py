@@ -47,3 +47,11 @@ def target():
 @pytest.fixture(scope="session")
 def bad_drafter():
     return tiny_gdn(seed=1, hidden=32, layers=1, heads=2, head_dim=8)
+
+
+@pytest.fixture(autouse=True)
+def _speculate_to_the_end(monkeypatch):
+    """Tests check speculative decoding itself: no fallback to autoregressive decoding, whose timing-based decision
+    would make step counts vary between runs (tests/test_fallback.py tests the fallback)."""
+    import specla_hf.generation
+    monkeypatch.setattr(specla_hf.generation, "AUTOREGRESSIVE_FALLBACK", False)

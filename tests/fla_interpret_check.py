@@ -53,7 +53,7 @@ for d_name, drafter in (("twin", twin), ("aligned", aligned)):
         specla[f"{d_name}_{mode}"] = {"equal": bool(torch.equal(spec, plain)), "tau": target.specla_stats.tau}
 out["specla_triton_kernels"] = specla
 # our autoregressive baseline's one-token step: fused GEMV kernels and fla's recurrence updating the state in place
-from specla_hf.autoregressive import autoregressive_decode  # noqa: E402
+from specla_hf.loop.autoregressive import autoregressive_decode  # noqa: E402
 from specla_hf.models.fla_gdn import GDNRunner  # noqa: E402
 
 runner = GDNRunner(target)

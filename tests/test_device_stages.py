@@ -58,8 +58,8 @@ def test_triton_cache_is_carried_in_and_packed_out(tmp_path):
 
 
 def test_pack_skips_a_file_removed_while_packing(tmp_path, monkeypatch):
-    """A stage may rename a file while the packer walks its folder (session 21: a trace gzipped in place): the file
-    is skipped, the rest packed, and nothing raises."""
+    """A stage may rename a file while the packer walks its folder (a trace gzipped in place, say): the file is
+    skipped, the rest packed, and nothing raises."""
     stages = load_script()
     work = tmp_path / "stages"
     (work / "sub").mkdir(parents=True)

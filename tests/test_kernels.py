@@ -13,12 +13,12 @@ import os
 import subprocess
 import sys
 import zlib
-from unittest import mock
 
 import pytest
 import torch
 
 from specla_kernels import commit as commit_kernels
+from specla_kernels import tuning
 from specla_kernels import ops
 from specla_kernels import reference as ref
 from specla_kernels.ops import commit_, commit_state_, commit_window_
@@ -565,10 +565,10 @@ def test_gemv_matches_reference(device, dtype):
         return fn(w, x, **kw, **extra), kw
 
     # the default launch, the row-owner kernel with three stages (each program loops over several blocks), and on
-    # CUDA launches through gemv.STEP_CONFIGS: the last candidate (split-K, the most rows a program) and the shipped
+    # CUDA launches through the step-config table (tuning): the last candidate (split-K, the most rows a program) and the shipped
     # table's launch for a product of these columns, prologue and epilogue (its rows may differ: lm_head's are odd)
     variants = {"default": {}, "3 stages": dict(split=0, config=dict(BN=2, PER_SM=2, STAGES=3, num_warps=4))}
-    shipped = {k[3:]: launch for k, launch in gemv_mod.load_step_configs().items()}
+    shipped = {k[3:]: launch for k, launch in tuning.load_step_configs().items()}
     for name, (w, x, fused) in cases.items():
         want, kw_ref = run(ref.gemv_ref, w, x, fused)
         tables = {}
@@ -578,7 +578,7 @@ def test_gemv_matches_reference(device, dtype):
             if key[3:] in shipped:
                 tables["shipped table"] = shipped[key[3:]]
         for variant, extra in [*variants.items(), *((t, {}) for t in tables)]:
-            with mock.patch.object(gemv_mod, "STEP_CONFIGS", {key: tables[variant]} if variant in tables else {}):
+            with tuning.using(gemv_step_configs={key: tables[variant]} if variant in tables else {}):
                 y, kw = run(gemv, w, x, fused, **extra)
             what = f"{name} ({variant})"
             assert y.dtype == dtype and y.shape == want.shape, what
@@ -593,7 +593,7 @@ def test_gemv_matches_reference(device, dtype):
                 check(kw["add_out"], kw_ref["add_out"], tol, f"{what}: residual sum")
     if device == "cuda":      # the table is read: an entry it holds decides the launch (here, a refused one)
         w, x, fused = cases["lm_head"]
-        with mock.patch.object(gemv_mod, "STEP_CONFIGS", {gemv_mod.product_key(w, x, **fused): {"split": 3}}):
+        with tuning.using(gemv_step_configs={gemv_mod.product_key(w, x, **fused): {"split": 3}}):
             with pytest.raises(ValueError, match="split must be a power of two"):
                 gemv(w, x, **fused)
 
@@ -602,10 +602,10 @@ def test_shipped_step_configs_are_tested_launches():
     """Every launch of the shipped ``gemv_step_configs.json`` (benchmarks/tune_step.py) is one of its product's
     ``launch_candidates``: launch shapes the GEMV tests run and the autotuner would consider, never a hand edit."""
     from specla_kernels import gemv
-    if not gemv.STEP_CONFIGS_FILE.exists():
+    if not tuning.STEP_CONFIGS_FILE.exists():
         pytest.skip("no step-tuned table shipped")
-    products = json.loads(gemv.STEP_CONFIGS_FILE.read_text())["products"]
-    assert products and set(gemv.load_step_configs()) == {
+    products = json.loads(tuning.STEP_CONFIGS_FILE.read_text())["products"]
+    assert products and set(tuning.load_step_configs()) == {
         (e["device"], e["dtype"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]) for e in products}
     meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
     for e in products:
@@ -726,11 +726,10 @@ def test_expand_frontier_matches_reference(device):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a Hopper GPU")
 @pytest.mark.parametrize("N", [3, 37])
-def test_small_kernels_with_pdl_equal_without(N, monkeypatch):
+def test_small_kernels_with_pdl_equal_without(N):
     """A verify pass's layer (a cuBLAS projection, then tree conv, gates, tree verify, gated norm) replayed from CUDA
-    graphs gives the same bits with the small kernels launched with PDL (``pdl.SMALL_KERNELS``) as without: their
+    graphs gives the same bits with the small kernels launched with PDL (``pdl_small_kernels``) as without: their
     waits cover every input the kernel before them writes."""
-    from specla_kernels import pdl
     from specla_kernels.gated_norm import rms_norm_gated
     gen = torch.Generator(device="cuda").manual_seed(N)
     H, K, V, W, hid = 6, 256, 512, 4, 1024
@@ -753,12 +752,12 @@ def test_small_kernels_with_pdl_equal_without(N, monkeypatch):
 
     outs = []
     for on in (False, True):
-        monkeypatch.setattr(pdl, "SMALL_KERNELS", on)
-        layer()                                                  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = layer()
+        with tuning.using(pdl_small_kernels=on):
+            layer()                                              # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                result = layer()
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()

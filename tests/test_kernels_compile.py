@@ -124,11 +124,11 @@ def call_every_wrapper():
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
-    from specla_kernels import pdl
+    from specla_kernels import pdl, tuning
     monkeypatch.setattr(pdl, "enabled", lambda device: True)     # launch as on the H200 (no GPU here)
     call_every_wrapper()
-    monkeypatch.setattr(pdl, "SMALL_KERNELS", True)              # and the verify pass's small kernels with PDL
-    call_every_wrapper()
+    with tuning.using(pdl_small_kernels=True):                  # and the verify pass's small kernels with PDL
+        call_every_wrapper()
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
@@ -148,8 +148,8 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
 
 def test_state_and_weight_streams_are_128_bit(launches):
     """The commit streams every layer's state (63 MiB at the 1.3B shape) through addresses it loads from a table,
-    whose alignment Triton cannot see: it must mark them (``ALIGN``) to get 128-bit accesses; session 16 found it
-    moving 4 bytes at a time. The GEMV's weight stream, from a pointer argument, must be 128-bit too."""
+    whose alignment Triton cannot see: it must mark them (``ALIGN``) to get 128-bit accesses, else it moves 4 bytes
+    at a time. The GEMV's weight stream, from a pointer argument, must be 128-bit too."""
     from specla_kernels import commit, gemv
     H, K, V, N = 6, 256, 512, 16
     states = ([torch.zeros(1, H, V, K)], [torch.zeros(1, N, H, K)], [torch.zeros(1, N, H, V)], [torch.zeros(1, N, H)])

@@ -12,9 +12,10 @@ owns one [BV, BK] tile of one head's state: it requests the tile, the path's fir
 once (none depends on another), then the gates and factors of those nodes, one dot, one store. Longer paths take
 further chunks of ``BP`` nodes, each one step of the recurrence over its nodes (the state decays by the chunk's
 gates, then adds the chunk's update): exact, and no weight needs the gates of a later chunk.
-(Sessions 7-24 handed over the accepted node only: each program loaded it, then its row of the ancestor mask, then
-gathered the path from the row: one dependent L2 round trip more before the factors, and work that grew with the
-tree's size, not the path's: 51.0 / 53.4 / 54.8 us at 16 / 32 / 64 nodes for the same 9-node path, session 24.)
+(Handing over the accepted node instead, each program would load it, then its row of the ancestor mask, then gather
+the path from the row: one dependent L2 round trip more before the factors, and work that grows with the tree's
+size, not the path's. On the H200 that version took 50.9 / 55.0 / 156.9 us at 16 / 64 / 128 nodes for the same
+9-node path, against 49.4 / 49.9 / 49.6 for this one.)
 The window part is :func:`specla_kernels.reference.commit_window_ref` in place: the new conv window is the last W raw
 inputs of ``[old window, x along P]``. A length of 0 leaves batch row ``b`` untouched in both.
 
@@ -23,8 +24,8 @@ tables of per-layer base addresses; one grid holds the state tiles of every laye
 tables are cached by address, so a decoding loop whose factors live in CUDA-graph output buffers builds them once.
 Addresses read from a table carry no alignment Triton can see (a pointer argument is specialised as 16-byte aligned,
 a loaded one is not), so the kernel is told when every table's tensors are aligned (``ALIGN``, checked on the host):
-128-bit loads and stores of the state and factors instead of 32-bit ones (session 16; 115 -> 96 registers at [64, 64]
-tiles, Triton 3.6's ptxas).
+128-bit loads and stores of the state and factors instead of 32-bit ones (adding the hint also took the [64, 64]
+state program from 115 to 96 registers, Triton 3.6's ptxas).
 """
 from __future__ import annotations
 
@@ -149,8 +150,8 @@ def commit_kernel(state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, x_ptrs, window_ptrs, p
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BP: tl.constexpr,
                   LONG: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, X_DTYPE: tl.constexpr,
                   W_DTYPE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, ALIGN: tl.constexpr):
-    # the grid holds the state tiles, then the (short) window blocks (session 12 measured the window blocks first in
-    # the grid, and programs looping over several state tiles with the next one's load issued first: both slower)
+    # the grid holds the state tiles, then the (short) window blocks (the window blocks first in the grid, and
+    # programs looping over several state tiles with the next one's load issued first, both measured slower)
     pid = tl.program_id(0)
     if pid < n_state:
         _commit_state_tile(pid, state_ptrs, k_hat_ptrs, u_ptrs, g_ptrs, path, length, s_path, s_len, P, Nt, BHV,
@@ -202,16 +203,14 @@ PATH_CHUNK = 16     # path nodes per chunk (commit_tile's BP up to 16 and above 
 
 def commit_tile(p: int) -> dict[str, int]:
     """A program's ``[BV, BK]`` state tile, path nodes per chunk ``BP``, warps, and ``ALIGN`` (1: no 128-bit
-    accesses) for a path buffer of ``p`` nodes. Session 25 (``benchmarks/ab_commit.py``, H200, 21 layers): [64, 64]
-    tiles with 16-node chunks, 46.5 / 46.9 / 49.4-49.8 us for paths of 1 / 2 / 9 nodes (trees of 1 / 4 / 16-128
-    nodes), against 59-62 with 32-node chunks, 49.5-50.1 with [32, 64] tiles and 60-64 with [64, 128] or [128, 64]
-    ones or 8 warps; a path of 19-23 nodes in one 32-node chunk 62.4-63.0 against 69.0-69.5 in two of 16, while a
-    longer buffer (the loop over chunks) takes 69-70 either way. Before session 25 the tile followed the tree's size
-    ([64, 128] above 16 nodes), since gathering the path from the ancestor row cost registers and time that grew with
-    the tree. Measured and removed earlier: a loop over the path with a data-dependent trip count (94-406 us, session
-    7, before the first chunk was peeled off); the window blocks first in the grid and 2-3 programs per SM looping
-    over the state tiles (session 12); 1-2 warps and whole state rows (session 15); every node's factors requested
-    with the state tile before the path is known (``EAGER``, sessions 12-24: lost from session 16's hint on)."""
+    accesses) for a path buffer of ``p`` nodes. H200, 21 layers (``benchmarks/ab_commit.py``): [64, 64] tiles with
+    16-node chunks, 46.5 / 46.9 / 49.4-49.8 us for paths of 1 / 2 / 9 nodes (trees of 1 / 4 / 16-128 nodes), against
+    59-62 with 32-node chunks, 49.5-50.1 with [32, 64] tiles and 60-64 with [64, 128] or [128, 64] ones or 8 warps; a
+    path of 19-23 nodes in one 32-node chunk 62.4-63.0 against 69.0-69.5 in two of 16, while a longer buffer (the loop
+    over chunks) takes 69-70 either way. Also measured slower: a loop over the path with a data-dependent trip count
+    (94-406 us, before the first chunk was peeled off); the window blocks first in the grid and 2-3 programs per SM
+    looping over the state tiles; 1-2 warps and whole state rows; every node's factors requested with the state tile
+    before the path is known (slower once the alignment hint made the factor loads short)."""
     return dict(BV=64, BK=64, BP=2 * PATH_CHUNK if PATH_CHUNK < p <= 2 * PATH_CHUNK else PATH_CHUNK, num_warps=4)
 
 

@@ -16,25 +16,23 @@ the stock layer computes up to the GEMV's summation order. Two kernels, the same
 
 - row-owner (``gemv_kernel``): one program owns ``BN`` output rows and loads its whole ``[BN, K]`` block of ``W`` at
   once (``K <= 16384``; the input is one register tile): a batch-1 GEMV is bound by how many bytes are in flight,
-  and a K loop without ``tl.dot`` is not software-pipelined, so each of its iterations waited a full memory latency
-  (session 4 measured that version at 0.8-2.1 TB/s). Prologue statistics are recomputed by every program from ``x``
-  (a few KB, cache-resident): cheaper than a launch.
+  and a K loop without ``tl.dot`` is not software-pipelined, so each of its iterations would wait a full memory
+  latency (such a version streamed 0.8-2.1 TB/s on the H200). Prologue statistics are recomputed by every program
+  from ``x`` (a few KB, cache-resident): cheaper than a launch.
 - split-K (``gemv_split_kernel``): a program owns a row block and one slice of the columns; the last program of a
   row block sums the slices' partials in slice order (deterministic: no float atomics) and applies the epilogue, so
   a conv row's window still has one writer. More, smaller loads in flight: it wins on products with few rows
-  (``SPLIT_MAX_ROWS``, ``SPLIT_COLS``).
+  (``tuning.KernelTuning.gemv_split_max_rows``, ``gemv_split_cols``).
 """
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from specla_kernels import pdl
+from specla_kernels import pdl, tuning
 
 # prologue (what turns the input vector into the product's right-hand side) and epilogue kinds
 PLAIN = tl.constexpr(0)
@@ -194,11 +192,11 @@ TUNE_BYTES = 8 * 2**20   # products with smaller weights run one fixed launch sh
 
 
 def _configs():
-    """(rows per block, programs per SM, warps, stages). Session 4's H200 run tuned the 1.3B shape's five products
-    over 24 shapes (BN 1-8, 4 or 8 warps, 2 or 4 programs per SM or one program per block) and picked the first four
-    below; each configuration costs a compile (~1 s) the first time a model runs, so the list keeps the winners and
-    two neighbours, and the winners with a third stage (session 14: streaming plain products, this kernel reached
-    3.1 TB/s against split-K's 4.1, which keeps more, smaller loads in flight)."""
+    """(rows per block, programs per SM, warps, stages). Tuning the 1.3B shape's five products on the H200 over 24
+    shapes (BN 1-8, 4 or 8 warps, 2 or 4 programs per SM or one program per block) picked the first four below; each
+    configuration costs a compile (~1 s) the first time a model runs, so the list keeps the winners and two
+    neighbours, and the winners with a third stage (streaming plain products on the H200, this kernel reached 3.1
+    TB/s with two stages against split-K's 4.1, which keeps more, smaller loads in flight)."""
     return [triton.Config({"BN": bn, "PER_SM": per_sm, "STAGES": st}, num_warps=nw)
             for bn, per_sm, nw, st in [(4, 2, 8, 2), (2, 2, 8, 2), (2, 4, 4, 2), (1, 2, 8, 2), (1, 4, 4, 2),
                                        (4, 4, 8, 2), (4, 2, 8, 3), (2, 4, 4, 3), (2, 2, 8, 3)]]
@@ -225,8 +223,8 @@ def _grid(N: int, device: torch.device):
 
 def _cold_bench(kernel_call, quantiles=(0.5, 0.2, 0.8), **_) -> list[float]:
     """Time ``kernel_call`` as a model runs it: its weights not in L2. Triton's default benchmark empties L2 by
-    *writing* a large buffer, so the timed kernel pays for writing those dirty lines back (session 4 measured
-    configurations chosen that way up to 2.3x slower than the best in a model's back-to-back sequence); here L2 is
+    *writing* a large buffer, so the timed kernel pays for writing those dirty lines back (configurations chosen that
+    way measured up to 2.3x slower than the best in a model's back-to-back sequence, H200); here L2 is
     emptied by *reading* 256 MiB (clean lines). Returns the requested quantiles in ms."""
     flush = torch.ones(64 * 2**20, dtype=torch.float32, device="cuda")   # back to the allocator's cache after
     kernel_call()
@@ -266,35 +264,7 @@ _tuned_split = triton.autotune(_split_configs(), key=["N", "K", "PRO", "EPI", "K
                                prune_configs_by={"early_config_prune": _split_prune},
                                do_bench=_cold_bench)(gemv_split_kernel)
 
-# Which large products take split-K, and with how many columns per program: read at launch / capture
-# (profile_step's "split" A/B changes them). H200, 1.3B shape, session 9 (bench_gemv, 21 copies, two runs):
-# row-owner / split 512 / split 1024 us: o_proj 7.7-7.9 / 6.8-7.0 / 6.4-7.1, down 10.3 / 9.6 / 9.0, in_proj
-# 14.5 / 15.0 / 13.9-14.0, gate_up 16.0 / 18.3 / 17.2-17.5, lm_head 22.0 / 20.9-23.2 / 22.8. Timing each candidate
-# per shape on its first call, one cold launch at a time (the autotuner's way), picked the row-owner kernel for
-# o_proj: a lone launch does not show what a launch among its neighbours does.
-SPLIT_COLS = 1024
-SPLIT_MAX_ROWS = 10240   # products with more rows fill the GPU by rows alone (0: none split)
-ROW_CONFIG: dict | None = None   # a fixed launch shape for the large row-owner products instead of tuning (A/Bs)
 _split_buffers: dict = {}
-
-STEP_CONFIGS_FILE = Path(__file__).with_name("gemv_step_configs.json")
-
-
-def load_step_configs(path: Path = STEP_CONFIGS_FILE) -> dict[tuple, dict]:
-    """``{product_key: launch}`` from a file ``benchmarks/tune_step.py`` wrote (none: ``{}``); ``launch`` is
-    ``split`` (columns per program, 0 for the row-owner kernel) and the kernel's launch shape."""
-    if not path.exists():
-        return {}
-    return {(e["device"], e["dtype"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]): e["launch"]
-            for e in json.loads(path.read_text())["products"]}
-
-
-# Launch shapes chosen by timing whole one-token steps (benchmarks/tune_step.py), read at launch / capture before
-# SPLIT_* and the autotuner (an explicit ``split``/``config`` or ``ROW_CONFIG`` still wins); products not in it are
-# tuned as before. The autotuner times each product alone after an L2 flush: its picks differ from run to run and
-# can lose badly among the step's other kernels (session 14, 21 copies back to back: in_proj's pick 21.3 us, the
-# best of the same candidates 13.3; lm_head 22.1 against 19.5).
-STEP_CONFIGS: dict[tuple, dict] = load_step_configs()
 
 
 @functools.cache
@@ -303,7 +273,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def product_key(weight: torch.Tensor, x: torch.Tensor, **fused) -> tuple:
-    """The ``STEP_CONFIGS`` key of ``gemv(weight, x, **fused)``: GPU name, weight dtype, rows, columns, prologue,
+    """The ``gemv_step_configs`` key (``tuning``) of ``gemv(weight, x, **fused)``: GPU name, weight dtype, rows, columns, prologue,
     epilogue, and the input tile's width (a gated norm's head size)."""
     return _key(weight, x, *_kinds(**fused), _tiles(weight.shape[1], fused.get("gate"), fused.get("norm"))[1])
 
@@ -332,13 +302,13 @@ def _tiles(K: int, gate: torch.Tensor | None, norm) -> tuple[int, int]:
 # The launches benchmarks/tune_step.py tries: wider than the autotuner's lists (a user's first run compiles every
 # configuration those hold; the tuner's table is measured once per GPU). (rows, warps) x programs per SM x stages
 # for the row-owner kernel, (rows, warps) x columns per program for split-K; 2048 columns lost on every product of
-# the 1.3B step in session 14's chains.
+# the 1.3B step in chains of 21 copies on the H200.
 STEP_ROW_SHAPES = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (8, 16)]
 STEP_SPLIT_SHAPES = [(2, 4), (4, 4), (8, 4), (4, 8), (8, 8), (16, 8), (32, 8), (16, 16), (32, 16), (64, 16)]
 
 
 def launch_candidates(weight: torch.Tensor, x: torch.Tensor, **fused) -> list[dict]:
-    """Every launch ``STEP_CONFIGS`` may hold for this product, for ``benchmarks/tune_step.py``: the row-owner
+    """Every launch the step-config table may hold for this product, for ``benchmarks/tune_step.py``: the row-owner
     kernel at ``STEP_ROW_SHAPES`` with 1-4 programs per SM and 2 or 3 stages, split-K at ``STEP_SPLIT_SHAPES`` with
     256, 512 and 1024 columns per program, those that fit the register budgets the autotuner prunes by."""
     K = weight.shape[1]
@@ -373,8 +343,8 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
          split: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Triton twin of ``gemv_ref``; arguments are 1-D vectors (one token of batch 1), see the module docstring.
     ``split``: columns per program of the split-K kernel (a power of two; a multiple of the head size with a gated
-    norm), 0 for the row-owner kernel; by default large products of at most ``SPLIT_MAX_ROWS`` rows take split-K with
-    ``SPLIT_COLS`` columns (a gated norm's head, if wider). ``config``: a launch shape in place of the tuned (or
+    norm), 0 for the row-owner kernel; by default large products of at most ``gemv_split_max_rows`` rows take split-K with
+    ``gemv_split_cols`` columns (a gated norm's head, if wider). ``config``: a launch shape in place of the tuned (or
     fixed) one, for benchmarks and tests: ``BN`` and ``num_warps``, and for the row-owner kernel ``PER_SM`` and
     ``STAGES`` (on the CPU interpreter ``PER_SM`` is the number of programs)."""
     N, K = weight.shape
@@ -383,13 +353,14 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
     KR, KC = _tiles(K, gate, norm)
     pro, epi = _kinds(norm, add, add_out, gate, swiglu, residual, conv)
     big = x.is_cuda and weight.numel() * weight.element_size() >= TUNE_BYTES
-    if big and split is None and config is None and ROW_CONFIG is None:
-        tuned = STEP_CONFIGS.get(_key(weight, x, pro, epi, KC))
+    tune = tuning.active()
+    if big and split is None and config is None and tune.gemv_row_config is None:
+        tuned = tune.gemv_step_configs.get(_key(weight, x, pro, epi, KC))
         if tuned is not None:
             split, config = tuned["split"], {k: v for k, v in tuned.items() if k != "split"}
     if split is None:
-        cols = max(SPLIT_COLS, KC if pro == GATED_NORM.value else 0)     # whole heads of a gated norm
-        split = cols if big and N <= SPLIT_MAX_ROWS and K >= cols else 0
+        cols = max(tune.gemv_split_cols, KC if pro == GATED_NORM.value else 0)     # whole heads of a gated norm
+        split = cols if big and N <= tune.gemv_split_max_rows and K >= cols else 0
     if split and (split & (split - 1) or pro == GATED_NORM.value and split % KC):
         raise ValueError(f"split must be a power of two (with a gated norm, a multiple of its head size {KC}), "
                          f"got {split}")
@@ -419,7 +390,7 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, flo
     args = (weight, x, y, N, K, weight.stride(0), *operands)
     consts.update(KR=KR, KC=KC)
     if config is None and big:
-        config = ROW_CONFIG
+        config = tune.gemv_row_config
     if config is not None:
         meta = {"STAGES": 2, **config}
         grid = _grid(N, x.device)(meta) if x.is_cuda else (meta["PER_SM"],)

@@ -7,16 +7,13 @@ write anything, before ``gdc_wait`` returns. The GEMV (``gemv.py``) allows its d
 weight load (weights depend on no kernel), then waits. Kernels of other libraries in between (fla's recurrence,
 torch's) launch normally, and a PDL kernel after one of them waits for it to finish. Graph capture keeps PDL edges.
 
-Measured on the H200 (docs/results.md, session 6, settings alternating): the step replay 1.242 -> 1.154 ms and 32
-greedy steps 1.205 -> 1.142 ms per token with PDL. For the verify pass's and the drafter's small kernels (tree conv,
-gate, tree delta rule, gated norm, commit, top-k, expansion) session 5 measured a 32-node verify 12% and a drafter
-pass 68% slower with PDL, but with PDL always timed first; session 6's run of that harness showed a 35% gap on the
-drafter pass between two setups that differ in nothing it launches. So that verdict is not established; the small
-kernels launch normally until an alternating A/B says otherwise: ``SMALL_KERNELS`` launches the tree conv, gates,
-tree verify and gated norm with PDL (session 11, for ``profile_step.py --ab pdl_small``). Before their wait they read
-only weights and what the pass found already committed (the state, the conv window, the ancestor mask): in a verify
-or drafter pass a cuBLAS GEMM, launched normally, precedes each layer's run of these kernels, so everything before
-it has finished.
+Measured on the H200 (settings alternating): the step replay 1.242 -> 1.154 ms and 32 greedy steps 1.205 -> 1.142
+ms per token with PDL. The verify pass's small kernels launch normally: ``pdl_small_kernels`` (``tuning``) launches the tree conv,
+gates, tree verify and gated norm with PDL (``profile_step.py --ab pdl_small`` compares), and in an alternating A/B
+inside the model it changed nothing measurable (64-node verify pass 2.073 ms against 2.070-2.071, the drafter's pass
+3% slower). Before their wait those kernels read only weights and what the pass found already committed (the state,
+the conv window, the ancestor mask): in a verify or drafter pass a cuBLAS GEMM, launched normally, precedes each
+layer's run of these kernels, so everything before it has finished.
 """
 from __future__ import annotations
 
@@ -25,18 +22,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-USE_PDL = True     # read when a kernel is launched or captured: profile_step and bench_gemv turn it off for A/Bs
-SMALL_KERNELS = False   # the verify pass's small kernels too (read likewise; not yet timed, off)
-
+from specla_kernels import tuning
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` use PDL (never under the interpreter: tensors are on the CPU)."""
-    return USE_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether kernels launched on ``device`` use PDL (``tuning``'s ``pdl``; never under the interpreter: tensors are
+    on the CPU)."""
+    return tuning.active().pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def small_enabled(device: torch.device) -> bool:
-    """Whether the verify pass's small kernels (``SMALL_KERNELS``) launched on ``device`` use PDL."""
-    return SMALL_KERNELS and enabled(device)
+    """Whether the verify pass's small kernels (``tuning``'s ``pdl_small_kernels``) launched on ``device`` use PDL."""
+    return tuning.active().pdl_small_kernels and enabled(device)
 
 
 @triton.jit

@@ -14,8 +14,8 @@ which is one chunk of fla's WY/UT form with the causal mask replaced by the ance
 How the pieces are computed, and why:
 - Ancestor mask: ``M = I + P`` (``P`` the one-hot parent matrix) squared ``ceil(log2 N)`` times with exact fp16 dots
   (entries are path counts <= N, clipped to 1 after each product): log-depth, tensor cores, no gathers. One small
-  kernel (``tree_ancestors``) builds it once per tree; every layer's verify and the commit read it (before session
-  7 each program of each layer rebuilt it).
+  kernel (``tree_ancestors``) builds it once per tree and every layer's verify loads it, rather than every program
+  of every layer rebuilding it.
 - k and q are l2-normalised *after* the products (``k̂_i·k̂_j = (k_i·k_j) r_i r_j``), so the K loop multiplies the raw
   inputs: for bf16 inputs these products are exact in bf16 dots with fp32 accumulation. The fp32 state is split into
   two bf16 halves (hi + lo, ~16 mantissa bits) for ``S₀k`` and ``S₀q``, and the solve's fp32 products are three bf16
@@ -23,14 +23,14 @@ How the pieces are computed, and why:
 - The solve: ``I + L = (I + L_D)(I + X L_O)`` with ``L_D`` its BC x BC diagonal blocks and ``X = (I + L_D)^{-1}``.
   ``X`` is built for all blocks at once on a ``[NC, BC, BC]`` view by block doubling: the inverse over diagonal
   blocks of size 2^l becomes the inverse over blocks of size 2^(l+1) as ``X - X E X`` (``E`` the part of ``L_D``
-  joining the two halves; ``E X E = 0``, so this is exact), ``log2 BC`` levels of two batched dots (session
-  7; before, BC - 1 steps of forward substitution, each two cross-warp reductions: 481 -> 416 µs for 21 layers at
-  64 nodes). Unlike a Neumann product, no power of ``L`` is formed (their entries grow like binomial coefficients on
-  repeated tokens and lose fp32 precision; ``tests/test_kernels.py`` has that case); then
-  ``U = XR - (X L_O) U`` is resolved block row by block row (``NC - 1`` dots), like fla's 16x16 merge in
-  ``solve_tril`` but without leaving registers. Padded nodes (N < BN) have zero k and v and no descendants, so they
-  stay zero and are masked on store.
-- Or, for trees of depth <= 16 at the sizes ``SWEEPS`` names (64 and 128 nodes), by depth sweeps: ``L`` is
+  joining the two halves; ``E X E = 0``, so this is exact), ``log2 BC`` levels of two batched dots in place of
+  BC - 1 steps of forward substitution, each of which needs two cross-warp reductions (on the H200, 21 layers at 64
+  nodes: 416 µs against 481 with forward substitution). Unlike a Neumann product, no power of ``L`` is formed
+  (their entries grow like binomial coefficients on repeated tokens and lose fp32 precision;
+  ``tests/test_kernels.py`` has that case); then ``U = XR - (X L_O) U`` is resolved block row by block row
+  (``NC - 1`` dots), like fla's 16x16 merge in ``solve_tril`` but without leaving registers. Padded nodes
+  (N < BN) have zero k and v and no descendants, so they stay zero and are masked on store.
+- Or, for trees of depth <= 16 at the sizes ``tuning``'s ``tree_sweeps`` names (64 and 128 nodes), by depth sweeps: ``L`` is
   nilpotent of the tree's depth, so that many sweeps of ``U <- R - L U`` solve it exactly (``_sweep_solve``); deeper
   trees take the block solve in the same kernel.
 """
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from specla_kernels import pdl
+from specla_kernels import pdl, tuning
 
 
 @triton.jit
@@ -73,8 +73,8 @@ _LONE: dict[tuple[torch.device, int], torch.Tensor] = {}     # [B, 1, 1] True: t
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     """Triton twin of ``tree_ancestors`` (reference): ``anc [B, N, N]`` bool, one program per sequence. One node is
-    its own only ancestor (its parent can only be the committed state): its mask is a kept constant, no launch (the
-    launch made a one-token verify 1.05x fla's one-token recurrence over 21 layers, session 24). Callers only read
+    its own only ancestor (its parent can only be the committed state): its mask is a kept constant, no launch (with
+    the launch a one-token verify of 21 layers took 1.05x fla's one-token recurrence on the H200). Callers only read
     the mask. Under CUDA-graph capture a constant not yet made is not made there (a graph's fill runs at replay)."""
     B, N = parents.shape
     if not 1 <= N <= 128:
@@ -196,8 +196,8 @@ def _sweep_solve(b_l, b_r, depth, BF16X3: tl.constexpr):
     With ``BF16X3`` the matrix is split into bf16 halves once and each sweep accumulates ``-L U`` onto ``R``
     (``_dot3``): the split of ``U``, its store to shared memory and 3 x BN/16 wgmma instructions, 123 instructions a
     warp at 64 nodes against 372 for tf32x3, which re-converted ``L``'s register layout every sweep (sm_90 SASS,
-    Triton 3.6; H200: 0.71 -> 0.36 us a sweep and layer, session 22). (Session 17's two levels a sweep, ``(I - L^2)^-1
-    (I - L)``, are gone: their iterates lose ~300x more precision on repeated keys, 3e-2 in bf16x3.)"""
+    Triton 3.6); on the H200 that halved a sweep's time. (Two levels a sweep, ``(I - L^2)^-1 (I - L)``, are not used:
+    their iterates lose ~300x more precision on repeated keys, 3e-2 in bf16x3.)"""
     b_u = b_r
     if BF16X3:
         a_hi, a_lo = _split_bf16(-b_l)
@@ -231,7 +231,7 @@ def tree_gdn_fwd_kernel(
     LATE_QK: tl.constexpr,                 # form q.k after the solve (see tree_config)
     SWEEP_MAX: tl.constexpr,               # trees of depth <= this solve by sweeps (_sweep_solve); 0: never
     ANC_LATE: tl.constexpr,                # the ancestor mask loaded after the K loop (prefetched into L1 before it)
-    PDL: tl.constexpr,                     # launched with PDL (pdl.SMALL_KERNELS)
+    PDL: tl.constexpr,                     # launched with PDL (tuning's pdl_small_kernels)
 ):
     pdl.allow_dependents(PDL)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -281,9 +281,10 @@ def tree_gdn_fwd_kernel(
                         other=0.)
 
         # ---- one pass over K: raw k.k, k.S0, q.S0 (and q.k unless it is deferred; q's squared norms with q.k). k's
-        # are the diagonal of k.k: k never leaves shared memory for registers (the loop's body: 533 -> 358 sm_90
-        # instructions, session 22). (q.q as a dot beside q.k, in the deferred pass, gave a wrong o on the H200 with
-        # Triton 3.6 where the kernel had the block solve alone, at 64 and 128 nodes)
+        # are the diagonal of k.k: k never leaves shared memory for registers (summing its squares from a register
+        # copy made the loop's body half again as long in sm_90 instructions). q's are summed, not formed as a q.q dot
+        # beside q.k: in the deferred pass that dot gave a wrong o on the H200 with Triton 3.6 where the kernel had
+        # the block solve alone, at 64 and 128 nodes
         b_kk = tl.zeros([BN, BN], dtype=tl.float32)
         b_qk = tl.zeros([BN, BN], dtype=tl.float32)
         nq = tl.zeros([BN], dtype=tl.float32)
@@ -334,7 +335,7 @@ def tree_gdn_fwd_kernel(
         b_l = tl.where(eye, 0., (b_beta * rk)[:, None] * decay * b_kk * rk[None, :])
 
         # the block solve's products stay tf32x3 from 64 nodes: in bf16x3 they gave a wrong u there on the H200
-        # (Triton 3.6, session 22; the sweeps' bf16x3 products are right at every size, GPU-tested)
+        # (Triton 3.6; the sweeps' bf16x3 products are right at every size, GPU-tested)
         if SWEEP_MAX > 0:
             # the tree's depth (root 0): L^(depth+1) = 0, so that many sweeps solve it exactly (_sweep_solve)
             depth = tl.max(tl.sum(anc.to(tl.int32), 1), 0) - 1
@@ -439,24 +440,9 @@ def tree_gdn_small_kernel(
         tl.store(o + p_i, o_i.to(o.dtype.element_ty), mask=m_i)
 
 
-# node counts up to which the node-by-node kernel (tree_gdn_small_kernel) runs by default: the H200 sweep of session 11
-# (bench_kernels.py --nodes 1,2,4,8; 21 layers, bf16): 85 / 95 / 153 us at 1 / 2 / 4 nodes against the WY/UT kernel's
-# 166 / 179 / 193 and fla's chain 87 / 113 / 164; at 8 nodes the WY/UT kernel wins (15 vs 27 us a layer)
-SMALL_MAX = 4
-
-# the WY/UT kernel's solve per padded size: trees of depth <= SWEEP_MAX by sweeps (_sweep_solve), deeper ones by the
-# block solve (absent: the block solve always). H200, 21 layers, bf16, session 22 (bf16x3 sweeps, 0.36 us a sweep and
-# layer at 64 nodes): 64 nodes by sweeps 264 / 290 / 324 / 391 us at depth 1 / 4 / 8 / 16 (comb trees), the block
-# solve (tf32x3 from 64 nodes) 393-401 whatever the depth; 128 nodes, a drafted tree of depth 8: sweeps 826, block
-# 1694; 32 nodes: the block solve (bf16x3 there) 250 / 251 us at depth 8 / 4, sweeps 258 / 233 (kept: drafted trees
-# reach depth 8). Deep trees (long chains) keep the block solve also because the sweeps' intermediate values grow
-# like binomial coefficients of the depth on repeated keys
-SWEEPS = {64: 16, 128: 16}
-
-
 def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: bool | None = None) -> dict[str, int]:
-    """Launch shape for ``n`` nodes. Up to ``SMALL_MAX`` nodes (or with ``small``) the node-by-node kernel: padded
-    node count BN, V slice BV and warps. Otherwise the WY/UT kernel: BN, solve block BC, K chunk BK, V slice BV, warps
+    """Launch shape for ``n`` nodes. Up to ``tree_small_max`` nodes (``tuning``), or with ``small``, the node-by-node
+    kernel: padded node count BN, V slice BV and warps. Otherwise the WY/UT kernel: BN, solve block BC, K chunk BK, V slice BV, warps
     and the K loop's pipeline stages.
 
     Every program is a chain of dependent steps (loads, K loop, mask, solve, output), so latency, not bandwidth, sets
@@ -466,34 +452,36 @@ def tree_config(n: int, v_dim: int, dtype: torch.dtype = torch.bfloat16, small: 
     tests ran with (their tf32x3 branch holds more registers). q.k is formed in the K loop beside k.k, or after the
     solve in a pass of its own (LATE_QK, four reloads of k and q: it frees a [BN, BN] tile during the solve).
     """
-    if small if small is not None else n <= SMALL_MAX:
+    tune = tuning.active()
+    if small if small is not None else n <= tune.tree_small_max:
         if n > 8:
             raise ValueError(f"the node-by-node kernel unrolls its loop over the nodes: at most 8, got {n}")
-        # one warp on an 8-wide V slice: the fastest of session 11's sweep at every node count (more programs, each
-        # a short chain; 16-32 wide slices or more warps took 1.1-2.5x as long); a 4-wide slice for one node
-        # (session 25, 21 layers: 85.0 against 90.0 us, fla's one-token recurrence 86.9 in the same run)
+        # one warp on an 8-wide V slice: the fastest of the H200 sweep at 2-8 nodes (more programs, each a short
+        # chain; 16-32 wide slices or more warps took 1.1-2.5x as long); a 4-wide slice for one node (21 layers: 85.0
+        # against 90.0 us at 8 wide, fla's one-token recurrence 86.9 in the same run)
         return dict(SMALL=True, BN=triton.next_power_of_2(n), BV=4 if n == 1 else 8, num_warps=1)
     BN = max(16, triton.next_power_of_2(n))
     BK = 64
     stages = 3                        # Triton's default software pipelining of the K loop
     if dtype == torch.bfloat16:
-        # session 12's sweeps (two H200 runs each, 21 layers): 4 stages at 16 nodes 222 -> 212 us, 2 warps at 32 nodes
-        # 311 -> 303 us
+        # H200 sweeps when these were chosen (two runs each, 21 layers): 4 stages at 16 nodes 222 -> 212 us, 2 warps
+        # at 32 nodes 311 -> 303 us
         BC, BV, warps = {16: (16, 16, 2), 32: (16, 32, 2), 64: (16, 32, 4), 128: (16, 32, 8)}[BN]
-        BK = 32 if BN <= 32 else 64   # session 8's sweep: 21 layers 184 -> 163 us at 1 node, 357 -> 309 at 32
+        BK = 32 if BN <= 32 else 64   # H200 sweep when chosen: 21 layers 357 -> 309 us at 32 nodes with BK 32
         stages = 4 if BN == 16 else 3
-        # session 24 (H200, 21 layers, drafted trees of depth 8): q.k in the K loop at 64 nodes 289 us against 310 after
-        # the solve (sessions 11-23 kept it after: session 11's K loop gave a wrong q.k there, session 22's, with k
-        # only in shared memory, gives the right one, GPU-tested), and after the solve at 128 nodes (790 against 865)
+        # H200, 21 layers, drafted trees of depth 8: q.k in the K loop at 64 nodes 288 us against 312 after the solve,
+        # and after the solve at 128 nodes (786-790 against 865). (With Triton 3.6 a K loop that held k in registers
+        # gave a wrong q.k at 64 nodes; this one, k only in shared memory, gives the right one, GPU-tested)
         late_qk = BN >= 128
     else:
         BC, BV, warps = {16: (16, 16, 4), 32: (16, 16, 4), 64: (16, 32, 8), 128: (32, 32, 8)}[BN]
         late_qk = BN >= 64
-    # the ancestor mask after the K loop (ANC_LATE) or before it, session 23 (H200, bf16, 21 layers, drafted trees):
-    # after at 64 nodes (311 against 318 us) and 128 (784 against 923), before at 32 (239 against 252); 16 nodes was
-    # timed only after (159 us, against session 22's kernel's 174)
+    # the ancestor mask after the K loop (ANC_LATE) or before it (H200, bf16, 21 layers, drafted trees, timed before
+    # q.k moved into the K loop at 64 nodes): after at 64 nodes (311 against 318 us) and 128 (784 against 923), before
+    # at 32 (239 against 252); 16 nodes was timed only with the late load
     return dict(SMALL=False, BN=BN, BC=BC, BK=BK, BV=min(BV, max(16, triton.next_power_of_2(v_dim))),
-                num_warps=warps, num_stages=stages, LATE_QK=late_qk, SWEEP_MAX=SWEEPS.get(BN, 0), ANC_LATE=BN != 32)
+                num_warps=warps, num_stages=stages, LATE_QK=late_qk, SWEEP_MAX=tune.tree_sweeps.get(BN, 0),
+                ANC_LATE=BN != 32)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specla_hf.loop.acceptance import DeviceAcceptance, accept_path, greedy_accept
+from specla_hf.loop.autoregressive import ARDriver, ar_step_seconds
+from specla_hf.loop.policy import FallbackPolicy
 from specla_hf.loop.stats import SpecLAStats
 from specla_hf.loop.stopping import Stopping
 from specla_hf.runtime.graphs import tensors_in
@@ -36,6 +38,7 @@ from specla_hf.runtime.transfer import HostCopy, to_device
 class StepResult:
     emitted: list[int]                       # the step's tokens: accepted drafts, then the target's own
     nodes: int                               # draft nodes verified (root excluded)
+    committed: int                           # positions the step added to the target's committed state
     scores: list[torch.Tensor] | None = None   # processed scores per emitted token (when asked for)
     logits: list[torch.Tensor] | None = None   # raw logits per emitted token (when asked for)
 
@@ -86,7 +89,7 @@ class HostDriver:
         with record_function("specla.launch"):
             launch(drafter, grown, self.max_length, stats)
         kept = None if logits is None else [logits[n:n + 1] for n in acc.path]
-        return StepResult(acc.emitted, len(tree) - 1, acc.scores if self.keep_scores else None,
+        return StepResult(acc.emitted, len(tree) - 1, len(acc.path), acc.scores if self.keep_scores else None,
                           kept if self.keep_scores else None)
 
     def finish(self) -> None:
@@ -125,7 +128,7 @@ class DeviceDriver:
         drafter.observe(emitted[:-1])
         stats.draft_time += t2 - t1
         stats.verify_time += time.perf_counter() - t2 + t1 - t0
-        return StepResult(emitted, self.nodes - 1)
+        return StepResult(emitted, self.nodes - 1, len(emitted))
 
     def finish(self) -> None:
         self.drafter.last_tree = self.drafter.buffers.verified_tree(self.nodes)
@@ -183,11 +186,15 @@ def launch(drafter, ids: torch.LongTensor, max_length: int, stats: SpecLAStats) 
 
 def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
                        stopping_criteria: StoppingCriteriaList, do_sample: bool, max_length: int, streamer=None,
-                       keep_scores: bool = False
+                       keep_scores: bool = False, fallback: bool = False
                        ) -> tuple[torch.LongTensor, SpecLAStats, list[torch.Tensor], list[torch.Tensor]]:
-    """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits)."""
+    """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits).
+
+    ``drafter=None`` decodes autoregressively through the adapter. ``fallback``: switch to autoregressive decoding
+    once speculation costs more per token than an autoregressive step on this device (``loop.policy``)."""
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
+    policy = FallbackPolicy(ar_step_seconds(target)) if fallback and drafter is not None else None
     # the sequence grows on the host: the stopping criteria, the streamer and the drafter read it there, and nothing
     # in a greedy step waits for the GPU but the draft and the verify results
     device = input_ids.device
@@ -196,33 +203,56 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     cache = target.new_cache(1)
     if input_ids.shape[1] > 1:
         out = target.forward(input_ids[:, :-1].to(target.device), cache, logits_positions=slice(0, 0),
-                             hidden_layers=drafter.feature_layers)
-        drafter.add_features(out.hidden_states)
+                             hidden_layers=() if drafter is None else drafter.feature_layers)
+        if drafter is not None:
+            drafter.add_features(out.hidden_states)
         stats.target_calls += 1
     prompt_len = input_ids.shape[1]
-    launch(drafter, host_ids, max_length, stats)
+    stats.committed_positions = prompt_len - 1
     plain = not do_sample and not len(logits_processor)
-    if plain and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
-        driver = DeviceDriver(target, drafter, cache, stats)
+
+    def autoregressive() -> ARDriver:
+        return ARDriver(target, cache, logits_processor, do_sample, device, keep_scores)
+    if drafter is None:
+        driver, stats.mode = autoregressive(), "autoregressive"
     else:
-        driver = HostDriver(target, drafter, cache, stats, logits_processor, do_sample, max_length, device,
-                            keep_scores)
+        launch(drafter, host_ids, max_length, stats)
+        if plain and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
+            driver = DeviceDriver(target, drafter, cache, stats)
+        else:
+            driver = HostDriver(target, drafter, cache, stats, logits_processor, do_sample, max_length, device,
+                                keep_scores)
+    graph_sets = [g for g in (target.graphs, getattr(getattr(drafter, "runner", None), "graphs", None)) if g]
+
+    def captures() -> int:
+        return sum(g.captures for g in graph_sets)
     while True:
+        t, captured = time.perf_counter(), captures()
         step = driver.step(host_ids)
         stats.target_calls += 1
         stats.steps += 1
         stats.draft_nodes.append(step.nodes)
         stats.accepted.append(len(step.emitted) - 1)
+        stats.committed_positions += step.committed
         grown = torch.cat([host_ids, host_ids.new_tensor([step.emitted])], 1)
         kept, stop = stopping.emit(grown, host_ids.shape[1])
+        added = kept.shape[1] - host_ids.shape[1]
         if keep_scores:
-            added = kept.shape[1] - host_ids.shape[1]
             all_scores += step.scores[:added]
             all_logits += step.logits[:added]
         host_ids = kept
         if stop:
             break
+        if policy is not None and stats.mode == "speculative" and captures() == captured:
+            policy.observe(time.perf_counter() - t, added)     # (a step that captured graphs says nothing)
+            reason = policy.verdict()
+            if reason is not None:
+                driver.finish()
+                driver, stats.mode = autoregressive(), "autoregressive"
+                stats.mode_reason = f"fell back after {stats.steps} speculative steps: {reason}"
     driver.finish()
+    if policy is not None and stats.mode == "speculative":
+        stats.mode_reason = policy.summary()
     stats.new_tokens = host_ids.shape[1] - prompt_len
     stats.total_time = time.perf_counter() - start
     return host_ids.to(device), stats, all_scores, all_logits

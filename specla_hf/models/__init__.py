@@ -11,6 +11,13 @@ import importlib
 ADAPTERS: dict[tuple[str, str], str] = {
     ("fla.models.gated_deltanet.modeling_gated_deltanet", "GatedDeltaNetForCausalLM"):
         "specla_hf.models.fla_gdn:GDNRunner",
+    **{cls: "specla_hf.models.qwen3_5:HybridRunner" for cls in (
+        ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForCausalLM"),
+        ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5ForConditionalGeneration"),
+        ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+        ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+        ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextForCausalLM"),
+    )},
 }
 
 

@@ -158,6 +158,7 @@ class ForwardGraphs(GraphSet):
             return out, (None if parents is None else cache.pending_refs())
 
         restore()
+        self.captures += 1
         static = StaticCall(call, self.emulate, between=restore,
                             python_state=(cache.pending_refs, cache.set_pending_refs))
         restore()                     # undo the warm-up's / recording's effects

@@ -81,6 +81,7 @@ class GraphSet:
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
         self.calls: dict = {}
+        self.captures = 0                # how many captures ran (a step that captured is no timing of a replay)
         self.statics: dict = {}          # static tensors captured calls read and write (e.g. a drafter's tree)
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -97,6 +98,7 @@ class GraphSet:
         """Capture ``fn`` under ``key`` (replacing nothing: callers check ``store``); ``None``, with a warning, if
         capturing fails (``between()`` then runs too, to undo whatever the warm-up did)."""
         store = self.store(owner)
+        self.captures += 1
         try:
             store[key] = StaticCall(fn, self.emulate, between, python_state)
         except Exception as e:  # noqa: BLE001 - any capture failure: say so, run eagerly

@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint()
     if state["step"] == first_step and error is None and (args.steps is None or first_step < args.steps):
         # the clock, not --steps (0: a writing stage), ended training before its first step; saving the unchanged
-        # weights as a trained drafter would pass for a result (session 19 lost a GPU run so)
+        # weights as a trained drafter would pass for a result
         raise SystemExit(f"no training step fitted in --minutes {args.minutes:g}: {t_train0 - t_start:.0f} s went to "
                          f"loading and the target's text (cold kernel compiles on a fresh GPU), and the last "
                          f"{deadline - stop_at:.0f} s are kept for the final evaluation. Give more --minutes, "

@@ -1,0 +1,238 @@
+"""Speedup over our CUDA-graph autoregressive decoding as a function of acceptance (tau), at controlled acceptance.
+
+The embedded target's drafts are right ~7 tokens a step because the target repeats itself; real models give tau 3-4.
+This benchmark keeps everything real (the 1.3B GDN shape: the trained target inflated, its aligned drafter inflated
+beside it, the kernels, the graphs, the drafting and pruning) and varies only how often the drafter agrees with the
+target: Gaussian noise of a swept scale is added to the drafter's logits before its softmax, inside its captured
+calls, so its top-k changes and its confidences stay those of a real softmax. Sampling at temperature 0.7 and 1.0
+lowers tau without noise. Every speculative point is measured with the fallback to autoregressive decoding off (what
+speculation itself costs) and, for the default tree, on (what a user gets by default).
+
+    python benchmarks/acceptance_curve.py --eval-dir data/eval --out $OUT
+
+Writes ``acceptance_curve.json`` (records: model_shape, method, noise, temperature, tau, ms_per_token,
+graph_ar_ms_per_token, speedup_vs_graph_ar, stock_ms_per_token, speedup_vs_stock, mode) and ``acceptance_curve.png``
+(speedup vs tau, one line per method, break-even marked), and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import specla_hf  # noqa: F401  (patches generate once fla is imported)
+from specla_hf.app.loading import load_models
+from specla_hf.drafters.eagle import _BlockRunner
+from specla_hf.loop.autoregressive import autoregressive_decode
+from specla_hf.models import adapter_for
+from specla_hf.training.inflate import inflate_pair
+
+# method -> (drafter name, generate() keywords)
+METHODS = {
+    "chain": ("eagle", dict(tree=False, confidence_threshold=0.0)),
+    "tree": ("eagle", dict(tree=True, confidence_threshold=0.0)),
+    "tree_pruned": ("eagle", dict(tree=True, confidence_threshold=0.05)),
+    "dart": ("dart", dict(tree=True, confidence_threshold=0.0)),
+}
+SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0]),
+        "humaneval": ("humaneval.jsonl", lambda r: r["prompt"]),
+        "alpaca": ("alpaca_eval_80.jsonl", lambda r: r["instruction"])}
+START = time.perf_counter()
+
+
+def log(*msg) -> None:
+    print(f"[{time.perf_counter() - START:6.1f}s]", *msg, flush=True)
+
+
+class DraftNoise:
+    """Gaussian noise of scale ``scale`` on the drafter's logits (``_BlockRunner.compute`` returns draft
+    log-probs): patched in for the benchmark, inside the drafter's captured calls."""
+
+    def __init__(self, device: torch.device):
+        self.scale = torch.zeros((), device=device)        # a tensor the captured graphs read: changed in place
+        compute = _BlockRunner.compute
+
+        def noisy(runner, *args, **kwargs):
+            out = compute(runner, *args, **kwargs)
+            noise = torch.randn_like(out.logits) * self.scale
+            out.logits.copy_(torch.log_softmax(out.logits + noise, -1))
+            return out
+        _BlockRunner.compute = noisy
+
+    def set(self, scale: float) -> None:
+        self.scale.fill_(scale)
+
+
+def prompts(eval_dir: Path, per_set: int) -> list[str]:
+    out = []
+    for file, field in SETS.values():
+        rows = [json.loads(line) for line in (eval_dir / file).read_text().splitlines() if line.strip()]
+        out += [field(r) for r in rows[:per_set]]
+    return out
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(target, ids_list, n_new, **kwargs) -> tuple[float, list]:
+    """ms per token over the prompts (the prompt pass included, as users see it), and each call's stats."""
+    seconds, tokens, stats = 0.0, 0, []
+    for ids in ids_list:
+        sync()
+        t = time.perf_counter()
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, **kwargs)
+        sync()
+        seconds += time.perf_counter() - t
+        tokens += out.shape[1] - ids.shape[1]
+        stats.append(getattr(target, "specla_stats", None) if kwargs.get("assistant_model") is not None else None)
+    return 1e3 * seconds / tokens, stats
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--eval-dir", type=Path, required=True)
+    ap.add_argument("--per-set", type=int, default=4, help="prompts per set (MT-Bench, HumanEval, Alpaca)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--noise", default="0,1,2,3,4,6,9", help="noise scales on the drafter's logits")
+    ap.add_argument("--temperatures", default="0.7,1.0")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--stock-prompts", type=int, default=2, help="prompts timed with stock generate (it is slow)")
+    ap.add_argument("--shape", choices=["1.3b", "trained"], default="1.3b",
+                    help="1.3b: the trained target inflated to fla's 1.3B shape; trained: the 12.6M target itself")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot-only", type=Path, help="redraw the PNG from an acceptance_curve.json, run nothing")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        saved = json.loads(args.plot_only.read_text())
+        plot(saved["records"], args.out / "acceptance_curve.png", saved["meta"])
+        return
+    torch.manual_seed(0)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    small = load_models(device=args.device, dtype=dtype)
+    dart = load_models(drafter=str(Path(specla_hf.__file__).parents[1] / "checkpoints" / "specla-gdn-tiny-dart"),
+                       device=args.device, dtype=dtype).drafter
+    if args.shape == "1.3b":
+        target, eagle = inflate_pair(small.target, small.drafter)
+        _, dart = inflate_pair(small.target, dart)
+    else:
+        target, eagle = small.target, small.drafter
+    target.generation_config.eos_token_id = None                 # fixed-length runs
+    drafters = {"eagle": eagle, "dart": dart}
+    tok = small.tokenizer
+    ids_list = [tok(t, return_tensors="pt").input_ids[:, :256].to(args.device)
+                for t in prompts(args.eval_dir, args.per_set)]
+    n = args.max_new_tokens
+    noise = DraftNoise(torch.device(args.device))
+    shape = "gdn-1.3b" if args.shape == "1.3b" else "gdn-12.6m"
+    meta = {"model_shape": shape, "params": sum(p.numel() for p in target.parameters()),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": dtype,
+            "prompts": len(ids_list), "max_new_tokens": n,
+            "weights": ("trained 12.6M GDN inflated function-preservingly to fla's 1.3B shape" if args.shape == "1.3b"
+                        else "the trained 12.6M GDN")}
+    log(meta)
+    # warm-up: compiles and captures for every method before anything is timed
+    for name, (drafter, kw) in METHODS.items():
+        run(target, ids_list[:1], 32, do_sample=False, assistant_model=drafters[drafter], autoregressive_fallback=False,
+            **kw)
+    for temp in map(float, args.temperatures.split(",")):
+        run(target, ids_list[:1], 16, do_sample=True, temperature=temp, assistant_model=eagle,
+            autoregressive_fallback=False, tree=True)
+        run(target, ids_list[:1], 16, do_sample=True, temperature=temp, specla=True)   # its one-token graphs
+    autoregressive_decode(adapter_for(target), ids_list[0], 32)
+    run(target, ids_list[:1], 4, do_sample=False)
+    log("warm-up done")
+
+    def ar_ms(sample: bool, temperature: float = 1.0) -> float:
+        extra = dict(do_sample=True, temperature=temperature) if sample else dict(do_sample=False)
+        return run(target, ids_list, n, specla=True, **extra)[0]
+    ar = {None: ar_ms(False)}
+    stock_ms = run(target, ids_list[:args.stock_prompts], n, do_sample=False)[0]
+    log(f"graph AR {ar[None]:.3f} ms/token, stock generate {stock_ms:.2f} ms/token")
+    records = []
+
+    def record(method, noise_scale, temperature, ms, stats, fallback):
+        taus = [s.tau for s in stats]
+        base = ar[temperature]
+        records.append(dict(model_shape=shape, method=method + (" (default: fallback on)" if fallback else ""),
+                            noise=noise_scale, temperature=temperature, tau=statistics.mean(taus),
+                            ms_per_token=ms, graph_ar_ms_per_token=base, speedup_vs_graph_ar=base / ms,
+                            stock_ms_per_token=stock_ms, speedup_vs_stock=stock_ms / ms,
+                            mode=sorted({s.mode for s in stats}),
+                            draft_nodes=statistics.mean(x for s in stats for x in s.draft_nodes[:s.speculative_steps]
+                                                        or [0])))
+        r = records[-1]
+        log(f"{r['method']:<34} noise {noise_scale:<4} T {temperature} tau {r['tau']:.2f} {ms:.3f} ms/token "
+            f"{r['speedup_vs_graph_ar']:.2f}x graph AR ({r['mode']})")
+
+    for method in args.methods.split(","):
+        drafter, kw = METHODS[method]
+        for scale in map(float, args.noise.split(",")):
+            noise.set(scale)
+            ms, stats = run(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],
+                            autoregressive_fallback=False, **kw)
+            record(method, scale, None, ms, stats, False)
+            if method == "tree":
+                ms, stats = run(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],
+                                autoregressive_fallback=True, **kw)
+                record(method, scale, None, ms, stats, True)
+            (args.out / "acceptance_curve.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    noise.set(0.0)
+    for temp in map(float, args.temperatures.split(",")):
+        ar[temp] = ar_ms(True, temp)
+        log(f"graph AR sampling at T {temp}: {ar[temp]:.3f} ms/token")
+        for method in args.methods.split(","):
+            drafter, kw = METHODS[method]
+            for fallback in ((False, True) if method == "tree" else (False,)):
+                torch.manual_seed(1)
+                ms, stats = run(target, ids_list, n, do_sample=True, temperature=temp,
+                                assistant_model=drafters[drafter], autoregressive_fallback=fallback, **kw)
+                record(method, 0.0, temp, ms, stats, fallback)
+        (args.out / "acceptance_curve.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    plot(records, args.out / "acceptance_curve.png", meta)
+    print("| method | noise | T | tau | ms/token | graph AR ms/token | vs graph AR | vs stock | mode |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['method']} | {r['noise']} | {r['temperature'] or 'greedy'} | {r['tau']:.2f} | "
+              f"{r['ms_per_token']:.3f} | {r['graph_ar_ms_per_token']:.3f} | {r['speedup_vs_graph_ar']:.2f}x | "
+              f"{r['speedup_vs_stock']:.1f}x | {','.join(r['mode'])} |")
+
+
+def plot(records: list[dict], path: Path, meta: dict) -> None:
+    """Speedup against the drafter's acceptance: a fallback run is placed at the tau its method reached without the
+    fallback at the same noise and temperature (its own tau counts the autoregressive steps too)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    own_tau = {(r["method"], r["noise"], r["temperature"]): r["tau"] for r in records}
+
+    def tau_of(r):
+        return own_tau.get((r["method"].split(" (")[0], r["noise"], r["temperature"]), r["tau"])
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for method in dict.fromkeys(r["method"] for r in records):
+        mine = [r for r in records if r["method"] == method]
+        pts = sorted((tau_of(r), r["speedup_vs_graph_ar"]) for r in mine if r["temperature"] is None)
+        line = ax.plot(*zip(*pts), marker="o", label=method)[0] if pts else None
+        sampled = [(tau_of(r), r["speedup_vs_graph_ar"]) for r in mine if r["temperature"] is not None]
+        if sampled:
+            ax.scatter(*zip(*sampled), marker="x", color=line.get_color() if line else None)
+    ax.axhline(1.0, color="k", lw=1, ls="--", label="break-even (our graph AR)")
+    ax.set_xlabel("tau: tokens per verify step of speculation")
+    ax.set_ylabel("speedup over our CUDA-graph AR decoding")
+    ax.set_title(f"{meta['model_shape']} ({meta['params'] / 1e9:.2f}B, bf16, {meta['device']}): greedy at swept "
+                 "draft noise (o), sampling T 0.7 / 1.0 (x)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

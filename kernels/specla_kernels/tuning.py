@@ -1,0 +1,70 @@
+"""The kernels' launch choices as data: one ``KernelTuning`` value, read when a kernel is launched or captured.
+
+Defaults are what was measured best on an H200 (the reasons are on each field). A benchmark that compares choices
+builds and captures under each one (``with using(pdl=False): ...``) instead of rebinding module globals; the GEMV
+launch table for the one-token step is a JSON file written by ``benchmarks/tune_step.py`` (how to tune for another
+GPU or model shape: ``docs/kernels.md``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+STEP_CONFIGS_FILE = Path(__file__).with_name("gemv_step_configs.json")
+
+
+def load_step_configs(path: Path = STEP_CONFIGS_FILE) -> dict[tuple, dict]:
+    """``{product_key: launch}`` from a file ``benchmarks/tune_step.py`` wrote (none: ``{}``); ``launch`` is
+    ``split`` (columns per program, 0 for the row-owner kernel) and the kernel's launch shape."""
+    if not path.exists():
+        return {}
+    return {(e["device"], e["dtype"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]): e["launch"]
+            for e in json.loads(path.read_text())["products"]}
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    # programmatic dependent launch for the one-token step's GEMVs (each lets the next kernel start early and requests
+    # its first weight block before waiting for the previous kernel's writes)
+    pdl: bool = True
+    # PDL for the verify pass's small kernels too (tree conv, gates, tree verify, gated norm): no measured gain
+    pdl_small_kernels: bool = False
+    # large GEMV products with at most this many rows take split-K with ``gemv_split_cols`` columns per program (more
+    # rows fill the GPU by rows alone; 0: none split). H200, 1.3B shape, 21 copies back to back, row-owner / split 512
+    # / split 1024 us: o_proj 7.7-7.9 / 6.8-7.0 / 6.4-7.1, down 10.3 / 9.6 / 9.0, in_proj 14.5 / 15.0 / 13.9-14.0
+    gemv_split_max_rows: int = 10240
+    gemv_split_cols: int = 1024
+    # a fixed launch shape for the large row-owner products instead of tuning (A/Bs)
+    gemv_row_config: dict | None = None
+    # launch shapes chosen by timing whole one-token steps, before the split rule and the autotuner (an explicit
+    # ``split``/``config`` or ``gemv_row_config`` still wins): the autotuner times each product alone after an L2
+    # flush, and its picks can lose among the step's other kernels (H200: in_proj's pick 21.3 us, the best of the
+    # same candidates 13.3)
+    gemv_step_configs: Mapping[tuple, dict] = field(default_factory=load_step_configs)
+    # node counts up to which the node-by-node tree verify runs (H200, 21 layers, bf16: 85 / 95 / 153 us at 1 / 2 / 4
+    # nodes against the WY/UT kernel's 166 / 179 / 193; at 8 nodes the WY/UT kernel wins)
+    tree_small_max: int = 4
+    # the WY/UT kernel's solve per padded node count: trees of depth <= this by sweeps, deeper ones by the block solve
+    # (absent: the block solve always); at 64 nodes sweeps take 229-356 us by depth, the block solve ~400
+    tree_sweeps: Mapping[int, int] = field(default_factory=lambda: {64: 16, 128: 16})
+
+
+_ACTIVE = [KernelTuning()]
+
+
+def active() -> KernelTuning:
+    """The tuning kernels launched or captured now read."""
+    return _ACTIVE[-1]
+
+
+@contextlib.contextmanager
+def using(**changes) -> Iterator[KernelTuning]:
+    """The active tuning with ``changes`` (``KernelTuning`` field names) for the calls made inside."""
+    _ACTIVE.append(replace(active(), **changes))
+    try:
+        yield _ACTIVE[-1]
+    finally:
+        _ACTIVE.pop()

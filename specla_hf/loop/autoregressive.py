@@ -1,0 +1,130 @@
+"""Autoregressive decoding through an adapter: the step with no proposal, and what it costs.
+
+The target consumes the pending token and chooses the next one, with the logits processors and the sampling rule of
+transformers' own loop (``GenerationMixin._sample``: the last position's logits in fp32, the processors, then argmax
+or one multinomial draw), so greedy output equals stock ``generate`` and a seeded sampling run draws the same tokens.
+Plain greedy decoding is one captured call per token that writes the next token into its own input (``ARStep``), and
+each token is read back while the GPU already computes the next one.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.logits_process import LogitsProcessorList
+
+from specla_hf.runtime.transfer import HostCopy, copy_in, to_device
+
+
+class ARStep:
+    """One greedy token as one call on static tensors: the target consumes ``token`` and overwrites it with its argmax
+    (a CUDA graph where the adapter runs them). Bound to the adapter's cache."""
+
+    def __init__(self, target, cache):
+        self.target, self.cache = target, cache
+        graphs = target.graphs
+        make = lambda: torch.zeros(1, 1, dtype=torch.long, device=target.device)   # noqa: E731
+        self.token = make() if graphs is None else graphs.static(("ar token",), make)
+
+    def _advance(self) -> None:
+        logits = self.target.compute(self.token, self.cache, None, slice(-1, None), ()).logits
+        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+
+    def __call__(self) -> None:
+        graphs = self.target.graphs
+        if graphs is None:
+            self._advance()
+            return
+        if ("ar step",) not in graphs.calls:
+            saved = self.cache.snapshot(), self.token.clone()
+
+            def restore():                   # the warm-up consumed a token: put the cache and the token back
+                self.cache.restore(saved[0])
+                self.token.copy_(saved[1])
+            graphs.capture(("ar step",), self._advance, "the autoregressive step", between=restore)
+            restore()
+        graphs.call(("ar step",), self._advance, "the autoregressive step")
+
+    def seconds(self, steps: int = 8) -> float:
+        """Seconds one step takes on this device, timed back to back after two warm-up steps (the cache is reset
+        after: call it between generations)."""
+        self.cache.reset()
+        self.token.zero_()
+        for _ in range(2):
+            self()
+        sync = torch.cuda.synchronize if self.target.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self()
+        sync()
+        elapsed = (time.perf_counter() - start) / steps
+        self.cache.reset()
+        return elapsed
+
+
+def ar_step_seconds(target) -> float:
+    """The adapter's autoregressive step time, measured once per adapter (per model, device and dtype)."""
+    if getattr(target, "ar_step_seconds", None) is None:
+        target.ar_step_seconds = ARStep(target, target.new_cache(1)).seconds()
+    return target.ar_step_seconds
+
+
+class ARDriver:
+    """The decoding loop's step without a proposal (``loop.decode``): one token per step."""
+
+    def __init__(self, target, cache, logits_processor: LogitsProcessorList, do_sample: bool, device: torch.device,
+                 keep_scores: bool):
+        self.target, self.cache = target, cache
+        self.logits_processor, self.do_sample, self.device = logits_processor, do_sample, device
+        self.keep_scores = keep_scores
+        self.pipelined = not do_sample and not len(logits_processor) and not keep_scores
+        if self.pipelined:
+            self.ar_step = ARStep(target, cache)
+            self.copies = [HostCopy((1,), torch.long, target.device) for _ in range(2)]
+            self.queued = None           # the HostCopy of the token in flight
+            self.queued_steps = 0
+
+    def step(self, host_ids: torch.LongTensor):
+        from specla_hf.loop.decode import StepResult
+        if self.pipelined:
+            first = self.queued is None
+            if first:                                        # from the host's pending token
+                copy_in(self.ar_step.token, host_ids[:, -1:])
+                self.queued = self._queue()
+            current, self.queued = self.queued, self._queue()   # the next step goes before this one is read
+            # each queued step consumed a token: the first step queued two
+            return StepResult([int(current.read()[0])], 0, 2 if first else 1)
+        out = self.target.forward(host_ids[:, -1:], self.cache, logits_positions=slice(-1, None))   # copied in
+        logits = out.logits[:, -1, :].to(self.device, torch.float32, copy=True)
+        scores = logits
+        if len(self.logits_processor):
+            scores = self.logits_processor(to_device(host_ids, self.device), logits.clone())
+        if self.do_sample:
+            choice = int(torch.multinomial(torch.softmax(scores, -1), num_samples=1)[0, 0])
+        else:
+            choice = int(scores.argmax(-1)[0])
+        return StepResult([choice], 0, 1, [scores] if self.keep_scores else None,
+                          [logits] if self.keep_scores else None)
+
+    def _queue(self) -> HostCopy:
+        self.ar_step()
+        copy = self.copies[self.queued_steps % 2]
+        self.queued_steps += 1
+        copy.queue(self.ar_step.token.view(1))
+        return copy
+
+    def finish(self) -> None:
+        pass
+
+
+def autoregressive_decode(target, input_ids: torch.LongTensor, max_new_tokens: int) -> torch.LongTensor:
+    """Greedy continuation of ``input_ids [1, T]`` by exactly ``max_new_tokens`` tokens (no EOS): the loop
+    ``generate(specla=True)`` runs, the baseline speedups are measured against."""
+    from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+
+    from specla_hf.loop.decode import speculative_decode
+    length = input_ids.shape[1] + max_new_tokens
+    sequence, *_ = speculative_decode(target, None, input_ids, LogitsProcessorList(),
+                                      StoppingCriteriaList([MaxLengthCriteria(length)]), False, length)
+    return sequence

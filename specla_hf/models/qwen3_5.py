@@ -1,0 +1,294 @@
+"""transformers' GDN hybrids driven by SpecLA: Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next, text decoders only.
+
+``HybridRunner`` walks the model's own modules (embeddings, zero-centred RMSNorms, MLP / MoE blocks, rotary
+embedding, full-attention modules, LM head) and replaces only how the mixers keep state:
+- GDN layers (``linear_attn``): from the module's own projections, conv weights, gates and gated norm. Consuming
+  tokens runs the modeling module's own conv and delta-rule functions on our committed state, as the stock forward
+  does; verifying tree nodes runs ``ops.tree_conv`` / ``ops.tree_gated_delta_rule`` from the committed state and
+  records their compact factors (``SpecLALayer``), as ``GDNRunner`` does. Our state is V-first ``[B, HV, V, K]``,
+  transformers' K-first: consuming transposes it in and out. Value head ``i`` reads key head ``i // (HV / H)`` in both
+  (transformers' ``repeat_interleave``).
+- full-attention layers (``self_attn``): the model's own attention module, handed a view of our
+  ``SpecLAAttentionLayer`` as ``past_key_values`` whose ``update`` returns the committed keys and values followed by
+  the pending nodes', an explicit 4D mask (each node sees the committed prefix and its own ancestors, itself
+  included) and the rotary embedding at position ``prefix + depth(node)``.
+- MLPs, dense or MoE, run on the tree's tokens as on any tokens: routing is per token.
+``transformers_cache`` exports the committed state as the ``DynamicCache`` the stock forward keeps (``generate``'s
+``past_key_values``).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
+from specla_hf.models import ADAPTERS, transformers_backend
+from specla_hf.models.base import RunnerOutput
+from specla_hf.models.graphed import pad_tokens, tree_bucket
+from specla_kernels import ops
+from specla_kernels.reference import tree_depth
+
+# attention implementations that take an arbitrary 4D mask (a tree is not causal)
+MASKED_ATTENTION = ("eager", "sdpa")
+
+
+def text_decoder(model):
+    """The decoder stack of ``model``: ``model.model``, or the language model of a vision-language model."""
+    return getattr(model.model, "language_model", model.model)
+
+
+def check_hybrid_model(model, role: str = "target") -> None:
+    """Raise a clear error for anything this runner cannot drive faithfully."""
+    cfg = text_decoder(model).config
+    attn = cfg._attn_implementation
+    if attn not in MASKED_ATTENTION:
+        raise NotImplementedError(f"the {role} uses attn_implementation={attn!r}, which takes no tree mask; load it "
+                                  "with attn_implementation='sdpa' (or 'eager')")
+    kinds = set(cfg.layer_types) - {"linear_attention", "full_attention"}
+    if kinds:
+        raise NotImplementedError(f"the {role} has layers of type {sorted(kinds)}; SpecLA drives linear_attention "
+                                  "(GDN) and full_attention layers")
+    if cfg.hidden_act not in ("silu", "swish"):
+        raise NotImplementedError(f"the {role} uses hidden_act={cfg.hidden_act!r} in its GDN short convolutions; "
+                                  "SpecLA's tree convolution applies SiLU")
+
+
+class _KVView:
+    """What a model's attention module is handed as ``past_key_values``: ``update`` stores the new keys and values
+    in the layer (as pending nodes or, consuming, as committed positions) and returns every position's."""
+
+    def __init__(self, layer: SpecLAAttentionLayer, pending: bool):
+        self.layer, self.pending = layer, pending
+
+    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None):
+        return self.layer.append(key_states, value_states, self.pending)
+
+
+class HybridRunner:
+    """Drive one Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text decoder over a ``SpecLACache`` (see module docstring).
+
+    No CUDA graphs yet (``graphs`` is ``None``); ``bucket_trees`` pads verified trees to power-of-two sizes with
+    inert nodes, as ``GDNRunner`` does for its graphs (off by default).
+    """
+
+    graphs = None
+
+    def __init__(self, model, role: str = "target", bucket_trees: bool = False):
+        check_hybrid_model(model, role)
+        self.model = model
+        self.decoder = text_decoder(model)
+        self.config = self.decoder.config
+        self.built_for = (model.device, model.dtype)
+        self.blocks = self.decoder.layers
+        self.bucket_trees = bucket_trees
+        # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
+        self.last_cache: SpecLACache | None = None
+
+    @classmethod
+    def for_model(cls, model, role: str = "target") -> "HybridRunner":
+        """The model's runner for ``role``, kept on the model (one per role: a model may draft for itself)."""
+        key = f"_specla_runner_{role}"
+        runner = model.__dict__.get(key)
+        if runner is None or runner.built_for != (model.device, model.dtype):
+            runner = cls(model, role)
+            model.__dict__[key] = runner
+        return runner
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self, batch_size: int = 1) -> SpecLACache:
+        """A fresh cache: a ``SpecLALayer`` per GDN layer, a ``SpecLAAttentionLayer`` per attention layer."""
+        layers = []
+        for block, kind in zip(self.blocks, self.config.layer_types):
+            if kind == "linear_attention":
+                m = block.linear_attn
+                layers.append(SpecLALayer(batch_size, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
+                                          m.conv_dim, m.conv_kernel_size, self.dtype, self.device))
+            else:
+                m = block.self_attn
+                layers.append(SpecLAAttentionLayer(batch_size, m.k_proj.out_features // m.head_dim, m.head_dim,
+                                                   self.dtype, self.device))
+        self.last_cache = SpecLACache(layers)
+        return self.last_cache
+
+    def transformers_cache(self, cache: SpecLACache) -> DynamicCache:
+        """``cache``'s committed state as the transformers cache the stock forward keeps (a ``DynamicCache`` of the
+        text config): conv windows, K-first recurrent states, the committed keys and values."""
+        if cache.num_pending:
+            raise RuntimeError("commit or discard the pending draft nodes before exporting the cache")
+        exported = DynamicCache(config=self.config)
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, SpecLALayer):
+                exported.update_conv_state(layer.window.clone(), i, conv_kernel_size=layer.window.shape[-1])
+                exported.update_recurrent_state(layer.state.transpose(-1, -2).contiguous(), i)
+            else:
+                exported.update(layer.key_buffer[:, :, :layer.length].clone(),
+                                 layer.value_buffer[:, :, :layer.length].clone(), i)
+        return exported
+
+    # ------------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: SpecLACache, parents: torch.Tensor | None = None,
+                logits_positions: slice | None = None, hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
+        """Consume ``input_ids [B, T]`` (``parents=None``) or verify them as tree nodes (``parents [B, T]``,
+        indices into all pending nodes of the cache, new nodes included). Tree calls return every node's logits."""
+        T = input_ids.shape[1]
+        if parents is not None:
+            if logits_positions not in (None, slice(None)):
+                raise ValueError("tree verification returns the logits of every node")
+            logits_positions = None
+            if self.bucket_trees:
+                pad = tree_bucket(T) - T                       # inert dummy nodes off the committed state
+                input_ids = pad_tokens(input_ids, pad)
+                parents = F.pad(parents, (0, pad), value=-1)
+            parents = parents.to(self.device)
+        out = self.compute(input_ids.to(self.device), cache, parents, logits_positions, hidden_layers)
+        if input_ids.shape[1] != T:
+            out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
+        return out
+
+    def commit(self, cache: SpecLACache, path: list[int]) -> None:
+        """Keep the verified nodes ``path`` (a root-to-node path, root first) and drop the rest."""
+        nodes = torch.tensor([path], device=self.device)
+        cache.commit(path[-1], path=(nodes, torch.tensor([len(path)], device=self.device)))
+
+    def compute(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
+        """``forward`` on device tensors, the tree as given (drafters call it)."""
+        B, T = input_ids.shape
+        pending_before = cache.num_pending
+        if parents is None:
+            cache.check_consumable()
+            all_parents = None
+        else:
+            all_parents = cache.add_nodes(parents)
+        h = self.decoder.embed_tokens(input_ids)
+        attention = self._attention_inputs(h, cache, pending_before, parents is not None)
+        hidden = [h] if 0 in hidden_layers else []
+        for i, (block, kind) in enumerate(zip(self.blocks, self.config.layer_types)):
+            x = block.input_layernorm(h)
+            if kind == "linear_attention":
+                x = self._linear_attention(block.linear_attn, x, cache.layers[i], all_parents, cache.ancestors)
+            else:
+                position_embeddings, mask = attention
+                x, _ = block.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
+                                       past_key_values=_KVView(cache.layers[i], pending=parents is not None))
+            h = h + x
+            h = h + block.mlp(block.post_attention_layernorm(h))
+            if i + 1 in hidden_layers:
+                hidden.append(h)
+        if logits_positions is not None:
+            h = h[:, logits_positions]
+        return RunnerOutput(self.model.lm_head(self.decoder.norm(h)), tuple(hidden))
+
+    def _attention_inputs(self, h: torch.Tensor, cache: SpecLACache, pending_before: int,
+                          tree: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+        """The attention layers' rotary embedding and additive mask ``[B, 1, T, positions held]`` for the new tokens:
+        consumed tokens see the committed prefix and each other causally, tree nodes the committed prefix and their
+        ancestors among all pending nodes (themselves included). A prompt consumed into an empty cache under SDPA
+        gets no mask: SDPA's own causal masking, as in the stock forward, holds no ``T x T`` mask in memory."""
+        layer = next((l for l in cache.layers if isinstance(l, SpecLAAttentionLayer)), None)
+        if layer is None:
+            return None
+        B, T = h.shape[:2]
+        ancestors = cache.ancestors[:, pending_before:] if tree else None                 # [B, T, pending]
+        offsets = tree_depth(ancestors) if tree else torch.arange(T, device=h.device).expand(B, T)
+        rotary = self.decoder.rotary_emb(h, self._rotary_positions(layer.length + offsets))
+        if not tree:
+            if not layer.length and self.config._attn_implementation == "sdpa":
+                return rotary, None
+            ancestors = torch.ones(T, T, dtype=torch.bool, device=h.device).tril().expand(B, T, T)
+        seen = torch.cat([ancestors.new_ones(B, T, layer.length), ancestors], -1)[:, None]
+        mask = torch.zeros(seen.shape, dtype=h.dtype, device=h.device).masked_fill_(~seen, torch.finfo(h.dtype).min)
+        return rotary, mask
+
+    def _rotary_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """``positions [B, T]`` as the model's rotary embedding takes them: the multimodal rotary of Qwen3.5 takes a
+        (time, height, width) position per token, all three equal for text (transformers 5.17 wants all three)."""
+        if hasattr(self.decoder.rotary_emb, "mrope_section"):
+            return positions.expand(3, *positions.shape)
+        return positions
+
+    def _projections(self, m, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A GDN module's input projections: the raw conv inputs q|k|v ``[B, T, conv_dim]``, the output gate z
+        ``[B, T, HV, V]`` and the gate inputs ``b``, ``a`` ``[B, T, HV]``. Qwen3-Next interleaves q, k, v, z (and b,
+        a) per key-head group in one projection: its module's own ``fix_query_key_value_ordering`` splits them."""
+        B, T, _ = h.shape
+        if hasattr(m, "in_proj_qkvz"):
+            q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
+            return torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], -1), z, b, a
+        return m.in_proj_qkv(h), m.in_proj_z(h).view(B, T, m.num_v_heads, m.head_v_dim), m.in_proj_b(h), m.in_proj_a(h)
+
+    def _linear_attention(self, m, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None,
+                          ancestors: torch.Tensor) -> torch.Tensor:
+        """GDN module ``m`` on ``h [B, T, hidden]``: consuming into the committed state (``parents=None``) or
+        verifying tree nodes from it (see module docstring)."""
+        B, T, _ = h.shape
+        x, z, b, a = self._projections(m, h)
+        weight = m.conv1d.weight[:, 0]                        # [conv_dim, 1, W] -> [conv_dim, W]
+        if parents is None:
+            o = self._consume(m, x, b, a, weight, layer)
+        else:
+            if not layer.x.shape[1]:                          # a fresh tree (every decoding step)
+                y = ops.tree_conv(x, weight, m.conv1d.bias, layer.window, parents)
+            else:
+                x = x.contiguous()
+                y = ops.tree_conv(torch.cat([layer.x, x], 1), weight, m.conv1d.bias, layer.window, parents)[:, -T:]
+            q, k, v = self._heads(m, y)
+            g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias)
+            prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
+            o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
+                                                    ancestors=ancestors)
+            layer.add_factors(k_hat, u, g, x)
+        o = m.norm(o.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+        return m.out_proj(o.view(B, T, m.value_dim))
+
+    @staticmethod
+    def _heads(m, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = y.shape
+        q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], -1)
+        return (q.reshape(B, T, m.num_k_heads, m.head_k_dim), k.reshape(B, T, m.num_k_heads, m.head_k_dim),
+                v.reshape(B, T, m.num_v_heads, m.head_v_dim))
+
+    def _consume(self, m, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, weight: torch.Tensor,
+                 layer: SpecLALayer) -> torch.Tensor:
+        """Tokens ``x`` through the modeling module's conv and delta rule, from and into the committed state, with
+        the stock forward's choice of kernel (recurrent for one token, chunked otherwise). q and k are repeated to the
+        value heads here: transformers 5.17's torch functions expect that of their caller (5.23's repeat them)."""
+        T, W = x.shape[1], layer.window.shape[-1]
+        # the functions the stock forward calls, looked up at call time as it does (``install`` rebinds them)
+        modeling = sys.modules[type(m).__module__]
+        inputs = torch.cat([layer.window, x.transpose(1, 2)], -1)            # [B, conv_dim, W + T], newest last
+        layer.window.copy_(inputs[..., -W:])
+        y = modeling.causal_conv1d_fn(inputs, weight, m.conv1d.bias, activation=m.activation)
+        q, k, v = self._heads(m, y[..., -T:].transpose(1, 2))
+        rep = m.num_v_heads // m.num_k_heads
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        rule = (modeling.torch_recurrent_gated_delta_rule if T == 1
+                else modeling.torch_chunk_gated_delta_rule)
+        o, state = rule(q, k, v, g=g, beta=b.sigmoid(), initial_state=layer.state.transpose(-1, -2).contiguous(),
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        layer.state.copy_(state.transpose(-1, -2))
+        return o
+
+
+def install(module) -> None:
+    """For a hybrid modeling ``module`` just imported: the CPU path for its kernel-bound functions
+    (``transformers_backend``) and SpecLA's ``generate`` on its model classes registered for ``HybridRunner``."""
+    from specla_hf.generation import patch_generate
+
+    transformers_backend.install(module)
+    ours = f"{__name__}:{HybridRunner.__name__}"
+    for (module_name, name), adapter in ADAPTERS.items():
+        if adapter == ours and module_name == module.__name__ and hasattr(module, name):
+            patch_generate(getattr(module, name))

@@ -1,0 +1,458 @@
+"""transformers' GDN hybrids (Qwen3.5 dense and MoE, Qwen3-Next) under SpecLA: the adapter verifies trees and commits
+paths exactly, generate(assistant_model=...) is lossless, bad inputs get clear errors, stock generate runs on CPU."""
+import copy
+import inspect
+
+import pytest
+import torch
+from transformers import (LogitsProcessorList, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList,
+                          TemperatureLogitsWarper, TopKLogitsWarper)
+from transformers.generation.streamers import BaseStreamer
+
+from hybrid_models import FAMILIES, VOCAB, tiny_hybrid, tiny_qwen3_5_vl
+from specla_hf import GDNDrafter, speculative_decode
+from specla_hf.cache import SpecLAAttentionLayer, SpecLALayer
+from specla_hf.generation import draft_options
+from specla_hf.models import adapter_for, transformers_backend
+from specla_hf.models.qwen3_5 import HybridRunner
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(family):
+    return tiny_hybrid(family, seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafters(family, target):
+    """Drafters of the target's family: an exact copy (every draft accepted), a slightly perturbed copy (some
+    accepted) and a small model of its own (two layers: one GDN, one attention)."""
+    perturbed = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.005 * torch.randn(p.shape, generator=gen))
+    small = tiny_hybrid(family, seed=5, layers=2, attention_every=2, hidden=32, heads=2, kv_heads=1)
+    return {"copy": copy.deepcopy(target), "perturbed": perturbed, "small": small}
+
+
+def _root_path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _last_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits[0, -1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the adapter alone
+# ---------------------------------------------------------------------------------------------------------------
+def test_consuming_matches_the_model_forward(target):
+    """Consuming tokens in pieces (prompt, one token, a few) gives the stock forward's logits and hidden states
+    (0 = embeddings, i = after block i, before the final norm)."""
+    ids = torch.randint(0, VOCAB, (1, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        stock = target(ids, output_hidden_states=True)
+    runner = HybridRunner(target)
+    cache = runner.new_cache()
+    pieces = [runner.forward(ids[:, a:b], cache, hidden_layers=(0, 1, 2, 3)) for a, b in ((0, 7), (7, 8), (8, 13))]
+    logits = torch.cat([p.logits for p in pieces], 1)
+    torch.testing.assert_close(logits, stock.logits, rtol=1e-4, atol=1e-4)
+    for i in range(4):
+        torch.testing.assert_close(torch.cat([p.hidden_states[i] for p in pieces], 1), stock.hidden_states[i],
+                                   rtol=1e-4, atol=1e-4)
+    assert [l.length for l in cache.layers if isinstance(l, SpecLAAttentionLayer)] == [13]
+
+
+def test_tree_verify_gives_each_node_its_root_path_logits(target):
+    """Random trees (odd sizes, several branches), verified in two calls (the second hangs nodes off the first's):
+    every node gets the logits of running the model on the prefix and that node's root path; the committed state is
+    untouched. In the MoE families the nodes are routed to different experts, so routing per token is exercised."""
+    gen = torch.Generator().manual_seed(7)
+    runner = HybridRunner(target)
+    routed, verify_routes = [], []
+    gates = [m for name, m in target.named_modules() if name.endswith("mlp.gate")]
+    hooks = [g.register_forward_hook(lambda mod, args, out: routed.append(out[-1].sort(-1).values)) for g in gates]
+    try:
+        for n_first, n_second in ((5, 4), (11, 6), (1, 2)):
+            prefix = torch.randint(0, VOCAB, (1, int(torch.randint(1, 9, (), generator=gen))), generator=gen)
+            cache = runner.new_cache()
+            runner.forward(prefix, cache)
+            before = [l.state.clone() if isinstance(l, SpecLALayer) else l.length for l in cache.layers]
+            n = n_first + n_second
+            parents = [-1] + [int(torch.randint(-1, i, (), generator=gen)) for i in range(1, n)]
+            tokens = torch.randint(0, VOCAB, (1, n), generator=gen)
+            routed.clear()
+            first = runner.forward(tokens[:, :n_first], cache, parents=torch.tensor([parents[:n_first]]))
+            second = runner.forward(tokens[:, n_first:], cache, parents=torch.tensor([parents[n_first:]]))
+            verify_routes += routed                    # the reference runs below route too
+            logits = torch.cat([first.logits, second.logits], 1)[0]
+            for node in range(n):
+                seq = torch.cat([prefix, tokens[:, _root_path(parents, node)]], 1)
+                torch.testing.assert_close(logits[node], _last_logits(target, seq), rtol=1e-4, atol=1e-4)
+            after = [l.state if isinstance(l, SpecLALayer) else l.length for l in cache.layers]
+            assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(before, after))
+            assert cache.num_pending == n
+            assert {l.length for l in cache.layers if isinstance(l, SpecLAAttentionLayer)} == {prefix.shape[1]}
+    finally:
+        for h in hooks:
+            h.remove()
+    if gates:
+        chosen = torch.cat(verify_routes)
+        assert len({tuple(row.tolist()) for row in chosen}) > 1, "every node went to the same experts"
+
+
+def _assert_same_cache(got, want):
+    for a, b in zip(got.layers, want.layers):
+        if isinstance(a, SpecLALayer):
+            torch.testing.assert_close(a.state, b.state, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a.window, b.window, rtol=1e-4, atol=1e-4)
+        else:
+            assert isinstance(a, SpecLAAttentionLayer) and a.length == b.length and a.num_pending == 0
+            for x, y in ((a.key_buffer, b.key_buffer), (a.value_buffer, b.value_buffer)):
+                torch.testing.assert_close(x[:, :, :a.length], y[:, :, :b.length], rtol=1e-4, atol=1e-4)
+
+
+def test_commit_leaves_the_cache_of_consuming_the_path(target):
+    """Verify a tree and commit a root-to-node path, several times over (paths that skip nodes, so the kept keys and
+    values move down past dropped ones; a path of the root only; deep paths): the cache then holds what consuming the
+    path's tokens leaves (GDN state and conv window; attention keys and values; lengths)."""
+    gen = torch.Generator().manual_seed(11)
+    runner = HybridRunner(target)
+    cache, reference = runner.new_cache(), runner.new_cache()
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=gen)
+    runner.forward(prompt, cache)
+    runner.forward(prompt, reference)
+    trees = [([-1, 0, 0, 1, 2, 4, 4, 5], 6), ([-1, 0, 1, 2], 0), ([-1, 0, 0, 2, 1, 3, 5, 6, 6, 8, 9], 10),
+             ([-1, 0, 1, 1, 3, 3, 5, 0, 7], 6)]
+    for parents, accepted in trees:
+        tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+        runner.forward(tokens, cache, parents=torch.tensor([parents]))
+        path = _root_path(parents, accepted)
+        runner.commit(cache, path)
+        runner.forward(tokens[:, path], reference)
+        _assert_same_cache(cache, reference)
+    assert cache.factor_bytes() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate(assistant_model=...)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("kind", ["copy", "perturbed", "small"])
+def test_greedy_identical_to_plain(target, drafters, kind, tree):
+    drafter = drafters[kind]
+    gen = torch.Generator().manual_seed(13)
+    accepted, drafted = 0, 0
+    for n_prompt, n_new in ((1, 20), (9, 41)):
+        ids = torch.randint(0, VOCAB, (1, n_prompt), generator=gen)
+        plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+        spec = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter, tree=tree,
+                               confidence_threshold=0.0)
+        assert torch.equal(spec, plain), (n_prompt, n_new)
+        stats = target.specla_stats
+        accepted, drafted = accepted + sum(stats.accepted), drafted + sum(stats.draft_nodes)
+    if kind == "copy":                 # long accepted paths (in trees past rejected siblings, whose entries go)
+        assert stats.tau > 4
+    elif kind == "perturbed":          # partial acceptance
+        assert 0 < accepted < drafted
+
+
+def test_host_loop_with_a_threshold_and_padded_trees(target, drafters):
+    """The host loop (a confidence threshold), with the target's trees padded by inert nodes to power-of-two
+    sizes."""
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(17))
+    plain = target.generate(ids, max_new_tokens=30, do_sample=False)
+    runner = HybridRunner.for_model(target)
+    runner.bucket_trees = True
+    verified = []
+    hook = target.model.embed_tokens.register_forward_hook(lambda mod, args, out: verified.append(args[0].shape[1]))
+    try:
+        for tree in (False, True):
+            spec = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafters["perturbed"],
+                                   tree=tree, draft_depth=5, confidence_threshold=0.02)
+            assert torch.equal(spec, plain)
+            sizes = [n + 1 for n in target.specla_stats.draft_nodes]
+            assert verified[1:] == [1 << (n - 1).bit_length() for n in sizes] and verified[1:] != sizes
+            verified.clear()
+    finally:
+        hook.remove()
+        runner.bucket_trees = False
+
+
+def test_eager_attention():
+    """Under eager attention (an additive mask, no SDPA causal shortcut for the prompt) trees decode as plain
+    generate does."""
+    model = tiny_hybrid("qwen3_5", seed=2, attn_implementation="eager")
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(37))
+    plain = model.generate(ids, max_new_tokens=25, do_sample=False)
+    spec = model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=model, tree=True,
+                          confidence_threshold=0.0)
+    assert torch.equal(spec, plain) and model.specla_stats.tau > 4
+
+
+def test_vision_language_model_text_path():
+    """Qwen3_5ForConditionalGeneration decodes a text prompt speculatively as plain generate does."""
+    model = tiny_qwen3_5_vl()
+    ids = torch.randint(0, VOCAB - 4, (1, 8), generator=torch.Generator().manual_seed(19))
+    plain = model.generate(ids, max_new_tokens=25, do_sample=False)
+    for tree in (False, True):
+        spec = model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=model, tree=tree,
+                              confidence_threshold=0.0)
+        assert torch.equal(spec, plain)
+    assert model.specla_stats.tau > 4
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_eos_streamer_scores_and_stopping_criteria():
+    model = tiny_hybrid("qwen3_next", seed=3)
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(23))
+    free = model.generate(ids, max_new_tokens=30, do_sample=False)
+
+    # EOS inside an accepted block: stop where plain decoding stops
+    eos = int(free[0, 5 + 7])
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = config.pad_token_id = eos
+    plain = model.generate(ids, generation_config=config, max_new_tokens=30, do_sample=False)
+    spec = model.generate(ids, generation_config=config, max_new_tokens=30, do_sample=False, assistant_model=model,
+                          confidence_threshold=0.0)
+    assert torch.equal(spec, plain) and spec[0, -1] == eos and (spec[0, 5:-1] != eos).all()
+    assert model.specla_stats.accepted[-1] > 0        # the stop fell within a block of accepted drafts
+
+    # a user criterion sees each prefix once, in order, as in plain decoding
+    class StopAfter(StoppingCriteria):
+        def __init__(self, token):
+            self.token, self.seen = token, []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append(input_ids.shape[1])
+            return input_ids[:, -1] == self.token
+
+    stop = StopAfter(int(free[0, 5 + 9]))
+    plain = model.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([stop]))
+    seen_plain, stop.seen = stop.seen, []
+    spec = model.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([stop]),
+                          assistant_model=model, confidence_threshold=0.0)
+    assert torch.equal(spec, plain) and stop.seen == seen_plain
+
+    # a streamer gets the same tokens
+    plain_s, spec_s = Collect(), Collect()
+    model.generate(ids, max_new_tokens=15, do_sample=False, streamer=plain_s)
+    model.generate(ids, max_new_tokens=15, do_sample=False, streamer=spec_s, assistant_model=model)
+    assert [t for c in spec_s.chunks for t in c] == [t for c in plain_s.chunks for t in c] and spec_s.ended
+
+    # output_scores / output_logits equal plain's
+    kwargs = dict(max_new_tokens=9, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True)
+    plain = model.generate(ids, **kwargs)
+    spec = model.generate(ids, **kwargs, assistant_model=model, confidence_threshold=0.0)
+    assert torch.equal(plain.sequences, spec.sequences) and len(spec.scores) == len(plain.scores) == 9
+    for a, b in zip(plain.scores + plain.logits, spec.scores + spec.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _exact_first_two(model, ids, processors):
+    """Exact law of (x1, x2) under plain sampling with the same processors."""
+    with torch.no_grad():
+        p1 = processors(ids, model(ids).logits[:, -1].float()).softmax(-1)[0]
+        seqs = torch.cat([ids.expand(p1.numel(), -1), torch.arange(p1.numel())[:, None]], 1)
+        l2 = model(seqs).logits[:, -1].float()
+        p2 = torch.stack([processors(seqs[i:i + 1], l2[i:i + 1])[0] for i in range(p1.numel())]).softmax(-1)
+    return p1, p2
+
+
+def _chisq_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+    n = counts.sum()
+    probs = probs.double() / probs.double().sum()          # scipy wants the totals equal to ~1e-8
+    keep = probs * n >= 5            # pool tiny cells
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]]).double()
+    exp = torch.cat([probs[keep] * n, (probs[~keep] * n).sum()[None]]).double()
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+        exp = exp * obs.sum() / exp.sum()
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def test_sampling_is_lossless():
+    """3000 draws of (x1, x2) on a vocabulary of 8 through the loop generate() runs, drafting trees of three
+    children per node (called directly: thousands of generate() calls cost minutes): the first token and the pair
+    follow the target's exact distributions; at this size a 3.5% shift of probability mass is caught."""
+    torch.manual_seed(1234)
+    shape = dict(vocab=8, hidden=32, heads=2, kv_heads=1, layers=2, attention_every=2)
+    target, drafter = tiny_hybrid("qwen3_5", seed=30, **shape), tiny_hybrid("qwen3_5", seed=31, **shape)
+    ids = torch.tensor([[1, 5, 2]])
+    procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
+    p1, p2 = _exact_first_two(target, ids, procs)
+    draws, V = 3000, 8
+    c1, c12 = torch.zeros(V), torch.zeros(V * V)
+    runner = HybridRunner(target)
+    options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
+    stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2)])
+    for _ in range(draws):
+        out, *_ = speculative_decode(runner, GDNDrafter(drafter, options), ids, procs, stop, do_sample=True,
+                                     max_length=ids.shape[1] + 2)
+        x1, x2 = out[0, -2].item(), out[0, -1].item()
+        c1[x1] += 1
+        c12[x1 * V + x2] += 1
+    assert _chisq_pvalue(c1, p1) > 1e-3
+    assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
+    a, b = p1.topk(2).indices                 # power: the noncentrality of a 3.5% shift between two likely tokens
+    assert draws * (0.035 ** 2) * (1 / p1[a] + 1 / p1[b]) > 20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------------------------
+def test_clear_errors():
+    model = tiny_qwen3_5_vl()
+    pixels, grid = torch.randn(16, 3 * 2 * 4 * 4), torch.tensor([[1, 4, 4]])      # one 4 x 4 patch grid
+    for kind, media in (("image", dict(pixel_values=pixels, image_grid_thw=grid)),
+                        ("video", dict(pixel_values_videos=pixels, video_grid_thw=grid))):
+        placeholder = model.config.image_token_id if kind == "image" else model.config.video_token_id
+        ids = torch.tensor([[VOCAB - 3] + [placeholder] * 4 + [VOCAB - 4, 5, 6]])
+        with pytest.raises(ValueError, match=f"text prompt given as token ids, got {kind} inputs"):
+            model.generate(ids, **media, max_new_tokens=4, assistant_model=model)
+    text = tiny_hybrid("qwen3_5")
+    with pytest.raises(ValueError, match="batch size 1"):
+        text.generate(torch.randint(0, VOCAB, (2, 5)), max_new_tokens=4, assistant_model=text)
+    other_vocab = tiny_hybrid("qwen3_5", vocab=50, layers=2, attention_every=2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        text.generate(torch.randint(0, 50, (1, 5)), max_new_tokens=4, assistant_model=other_vocab)
+    flash = tiny_hybrid("qwen3_5", layers=2, attention_every=2)
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(NotImplementedError, match="takes no tree mask"):
+        adapter_for(flash)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stock generate on CPU
+# ---------------------------------------------------------------------------------------------------------------
+def test_stock_generate_runs_the_torch_functions_on_cpu(family, target, monkeypatch):
+    """After ``import specla_hf`` stock generate runs on CPU (flash-linear-attention's Triton kernels, bound by
+    transformers, fail there) and decodes as with the unwrapped torch functions."""
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(29))
+    out = target.generate(ids, max_new_tokens=12, do_sample=False)
+    modeling = inspect.getmodule(type(target))
+    for name in transformers_backend.KERNEL_BOUND:
+        monkeypatch.setattr(modeling, name, inspect.unwrap(getattr(modeling, name)))
+    assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False), out)
+
+
+def test_kernel_dispatch_by_device():
+    """CPU tensors take the torch function, any other device the bound kernel; packed sequences are refused on
+    CPU rather than silently mixed."""
+    calls = []
+
+    def torch_fn(x, y, scale=1.0):
+        calls.append("torch")
+        return x
+
+    def bound(x, y, scale=1.0, cu_seqlens=None):
+        calls.append("kernel")
+        return x
+
+    dispatch = transformers_backend.on_cpu_use_torch(bound, torch_fn)
+    dispatch(torch.zeros(2), torch.zeros(2), scale=2.0, extra=None)          # dropped, as transformers drops it
+    dispatch(torch.zeros(2, device="meta"), torch.zeros(2, device="meta"))
+    assert calls == ["torch", "kernel"]
+    with pytest.raises(ValueError, match="packed sequences"):
+        dispatch(torch.zeros(2), torch.zeros(2), cu_seqlens=torch.tensor([0, 1, 2]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# past_key_values
+# ---------------------------------------------------------------------------------------------------------------
+def _assert_same_transformers_cache(got, want):
+    assert len(got.layers) == len(want.layers)
+    for a, b in zip(got.layers, want.layers):
+        assert type(a) is type(b)
+        if hasattr(b, "recurrent_states"):
+            torch.testing.assert_close(a.conv_states[0], b.conv_states[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], rtol=1e-4, atol=1e-4)
+            assert a.has_previous_state[0]
+        else:
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_past_key_values_equal_plain(family):
+    """With return_dict_in_generate, past_key_values is the transformers cache plain decoding leaves: from the
+    committed state after a run to max_new_tokens (device and host loops), and after an EOS inside an accepted block
+    (where the committed state has run past the stop)."""
+    model = tiny_hybrid(family, seed=3)
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(31))
+    kwargs = dict(max_new_tokens=23, do_sample=False, return_dict_in_generate=True)
+    plain = model.generate(ids, **kwargs)
+    for threshold in (0.0, 0.02):
+        spec = model.generate(ids, **kwargs, assistant_model=model, confidence_threshold=threshold)
+        assert torch.equal(spec.sequences, plain.sequences)
+        _assert_same_transformers_cache(spec.past_key_values, plain.past_key_values)
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = config.pad_token_id = int(plain.sequences[0, 5 + 7])
+    plain = model.generate(ids, generation_config=config, **kwargs)
+    spec = model.generate(ids, generation_config=config, **kwargs, assistant_model=model, confidence_threshold=0.0)
+    assert torch.equal(spec.sequences, plain.sequences) and model.specla_stats.accepted[-1] > 0
+    _assert_same_transformers_cache(spec.past_key_values, plain.past_key_values)
+
+
+def test_autoregressive_loop_and_fallback_equal_plain(target, drafters):
+    """``generate(specla=True)`` (SpecLA's autoregressive loop through the adapter) and a fallback to it mid-call
+    decode what plain decoding does."""
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
+    for kwargs in (dict(), dict(repetition_penalty=1.3)):
+        plain = target.generate(ids, max_new_tokens=16, do_sample=False, **kwargs)
+        assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False, specla=True, **kwargs), plain)
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    runner = adapter_for(target)
+    runner.ar_step_seconds = 1e-9                      # every speculative step looks slower: fall back
+    try:
+        spec = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafters["perturbed"],
+                               tree=True, confidence_threshold=0.0, autoregressive_fallback=True)
+    finally:
+        runner.ar_step_seconds = None
+    assert torch.equal(spec, plain) and target.specla_stats.mode == "autoregressive"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
+    """On a GPU in fp32 (our Triton tree kernels for the verify, transformers' kernels for consuming): greedy output
+    with an exact and a perturbed copy as drafter, chain and tree, and SpecLA's autoregressive loop, equal plain
+    decoding. (TF32 off for cuDNN: plain decoding's short convolution would otherwise not be fp32.)"""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    target = tiny_hybrid(family, seed=0).cuda()
+    perturbed = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.005 * torch.randn_like(p))
+    gen = torch.Generator().manual_seed(21)
+    for n_prompt, n_new in ((1, 24), (70, 40)):
+        ids = torch.randint(0, VOCAB, (1, n_prompt), generator=gen).cuda()
+        plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+        assert torch.equal(target.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True), plain)
+        for drafter in (copy.deepcopy(target), perturbed):
+            for tree in (False, True):
+                spec = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter,
+                                       tree=tree, confidence_threshold=0.0)
+                assert torch.equal(spec, plain), (family, n_prompt, tree)
