@@ -19,9 +19,10 @@ from specla_hf.app.loading import DEFAULT_DRAFTER, DEFAULT_TARGET, layer_skip_dr
 from specla_hf.app.prompts import SHIPPED, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-STATS = re.compile(r"^specla: (\d+) tokens, SpecLA (tree|chain) [\d.]+ tok/s \(tau ([\d.]+) over (\d+) steps\), "
-                   r"plain [\d.]+ tok/s, speedup ([\d.]+)x( \(SpecLA slower\))?, drafter (.+?)"
+STATS = re.compile(r"^specla: (\d+) tokens, SpecLA (tree|chain) [\d.]+ tok/s \(tau ([\d.]+) over (\d+) steps"
+                   r"(?:; ([^)]+))?\), plain [\d.]+ tok/s, speedup ([\d.]+)x( \(SpecLA slower\))?, drafter (.+?)"
                    r"(, identical to plain)?$", re.M)
+# groups: 1 tokens, 2 mode, 3 tau, 4 steps, 5 the fallback's verdict, 6 speedup, 7 slower, 8 drafter, 9 identical
 # a Hub endpoint that refuses connections at once: what an offline machine sees, without waiting on DNS
 UNREACHABLE_HUB = "http://127.0.0.1:9"
 
@@ -68,25 +69,30 @@ def test_generate_streams_the_greedy_text_then_a_stats_line(ckpts):
     assert run.stdout == greedy_text(ckpts["target"], "Hello, world", 30) + "\n"
     m = STATS.search(run.stderr)
     assert m, run.stderr
-    n, mode, tau, steps, speedup, slower, drafter, identical = m.groups()
+    n, mode, tau, steps, verdict, speedup, slower, drafter, identical = m.groups()
     assert (int(n), mode, identical) == (30, "tree", ", identical to plain")
     assert float(tau) == pytest.approx(30 / int(steps), abs=0.01)
     assert (slower is not None) == (float(speedup) < 1), run.stderr          # the line says when SpecLA lost
+    # the fallback (on, as in generate()) says whether speculation paid, or after how many steps it stopped
+    assert re.fullmatch(r"fell back after \d+ speculative steps: .*|speculation [\d.]+ ms a token, .*|too few .*",
+                        verdict), verdict
     assert drafter == f"{ckpts['drafter']} (GDN draft model)"
 
 
 def test_sampling_options_reach_generate_and_a_seed_repeats_a_run(ckpts):
     """--top-k 1 sampling is greedy decoding; a seeded sampled run repeats, and differs from greedy (the random
-    target's distributions are flat)."""
+    target's distributions are flat). --no-fallback: when the fallback switches depends on timing, and speculative
+    and autoregressive steps draw random numbers differently."""
     common = ["generate", "--target", str(ckpts["target"]), "--drafter", str(ckpts["drafter"]),
-              "--max-new-tokens", "20", "--confidence-threshold", "0", "--do-sample"]
+              "--max-new-tokens", "20", "--confidence-threshold", "0", "--do-sample", "--no-fallback"]
     top1, seeded, again = specla_all((common + ["--top-k", "1", "Once"], None, None),
                                      (common + ["--seed", "7", "--top-p", "0.95", "Once"], None, None),
                                      (common + ["--seed", "7", "--top-p", "0.95", "Once"], None, None))
     greedy = greedy_text(ckpts["target"], "Once", 20) + "\n"
     for run in (top1, seeded, again):
         assert run.returncode == 0, run.stderr
-        assert STATS.search(run.stderr).group(8) is None              # no identity claim for sampled runs
+        m = STATS.search(run.stderr)
+        assert m.group(9) is None and m.group(5) is None               # no identity claim, no fallback
     assert top1.stdout == greedy
     assert seeded.stdout == again.stdout != greedy
 
@@ -103,7 +109,7 @@ def test_help_shows_each_commands_defaults():
     gen, ben = entries(generate.stdout), entries(bench.stdout)
     assert gen["--max-new-tokens"].endswith("(default: 128)") and ben["--max-new-tokens"].endswith("(default: 64)")
     for option in ("--tree-budget", "--draft-depth", "--confidence-threshold", "--device", "--dtype", "--top-k",
-                   "--top-p", "--seed", "--target", "--drafter"):
+                   "--top-p", "--seed", "--no-fallback", "--target", "--drafter"):
         assert "(default: " in gen[option], gen[option]
 
 
@@ -129,10 +135,10 @@ def test_default_models_come_from_specla_home_and_each_drafter_is_named_by_kind(
          None))
     for run in (layer_skip, eagle, parallel):
         assert run.returncode == 0, run.stderr
-    assert STATS.search(layer_skip.stderr).group(7) == "layer-skip (the target's block 1 of 2)"
+    assert STATS.search(layer_skip.stderr).group(8) == "layer-skip (the target's block 1 of 2)"
     m = STATS.search(eagle.stderr)
-    assert m.group(7) == f"{DEFAULT_DRAFTER} (EAGLE-style aligned drafter)" and m.group(8)
-    assert STATS.search(parallel.stderr).group(7) == f"{dart} (DART-style parallel drafter)"
+    assert m.group(8) == f"{DEFAULT_DRAFTER} (EAGLE-style aligned drafter)" and m.group(9)
+    assert STATS.search(parallel.stderr).group(8) == f"{dart} (DART-style parallel drafter)"
 
 
 def test_bench_on_a_prompt_file(ckpts, tmp_path):
@@ -146,8 +152,10 @@ def test_bench_on_a_prompt_file(ckpts, tmp_path):
     lines = run.stdout.splitlines()
     assert lines[0].startswith("specla bench: 2 prompts, 12 new tokens, greedy, chain; target ")
     assert [line.split()[0] for line in lines[2:]] == ["7", "HumanEval/1", "median"]
-    assert all(line.split()[1] == "12" and line.split()[-1] == "yes" for line in lines[2:4])
-    assert lines[-1].split()[-1] == "2/2"
+    # tokens, plain and SpecLA tok/s, tau, speedup, identical, and whether (after how many steps) SpecLA fell back
+    row = re.compile(r"\S+ +12 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+x +yes +(no|after \d+)$")
+    assert all(row.fullmatch(line) for line in lines[2:4]), lines
+    assert re.fullmatch(r"median +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+x +2/2 +[012]/2", lines[-1]), lines[-1]
 
 
 def test_errors_are_one_clear_line(ckpts, tmp_path):
@@ -226,8 +234,8 @@ def test_readme_examples_print_what_the_readme_says():
     assert python.stdout.startswith("def fibonacci(n):\n") and summary.search(python.stdout), python.stdout
     assert cli.returncode == 0, cli.stderr[-3000:]
     m = STATS.search(cli.stderr)
-    assert m and m.group(1) == "128" and m.group(7) == f"{DEFAULT_DRAFTER} (EAGLE-style aligned drafter)" \
-        and m.group(8), cli.stderr
+    assert m and m.group(1) == "128" and m.group(8) == f"{DEFAULT_DRAFTER} (EAGLE-style aligned drafter)" \
+        and m.group(9), cli.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------

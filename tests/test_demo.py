@@ -67,6 +67,7 @@ def test_api_specla_text_is_plain_greedy_text(server, ckpts):
         assert out["specla"] == out["plain"] == expected and out["identical"] is True, tree
         assert out["tau"] >= 1.0 and out["plain_tokens_per_second"] > 0 and out["specla_tokens_per_second"] > 0
         assert out["speedup"] == pytest.approx(out["specla_tokens_per_second"] / out["plain_tokens_per_second"])
+        assert out["mode"] in ("speculative", "autoregressive") and out["mode_reason"]      # the fallback is on
 
 
 def test_api_rejects_a_tree_budget_one_verify_pass_cannot_take(server):
@@ -176,7 +177,7 @@ def test_page_draws_nothing_else_while_a_decoder_is_timed(ckpts, monkeypatch):
     models = load_models(str(ckpts["target"]), str(ckpts["drafter"]))
     app = demo.build_app(models, DecodeSettings(tree=True, confidence_threshold=0.0))
     stream = next(f.fn for f in app.fns.values() if f.name == "stream")
-    updates = list(stream("The quick brown fox", 96, 0.0, "tree", 16, 0.0))
+    updates = list(stream("The quick brown fox", 96, 0.0, "tree", 16, 0.0, True))
 
     skip = gr.skip()
     *running, final = updates[1:]                               # updates[0] clears the page
@@ -189,4 +190,6 @@ def test_page_draws_nothing_else_while_a_decoder_is_timed(ckpts, monkeypatch):
     assert updates.index(plain_updates[0]) > updates.index(specla_updates[-1])      # SpecLA first, then plain
     (result,) = results
     assert f"ran at {result.speedup:.2f}× the tokens/s of plain decoding" in final[4]
+    stats = result.specla.stats
+    assert f"SpecLA's mode: **{stats.mode}** ({stats.mode_reason})" in final[4]      # the fallback's verdict
     assert all(hasattr(plot, "savefig") for plot in final[5:])  # the two matplotlib figures, at the end only

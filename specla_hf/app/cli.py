@@ -94,6 +94,9 @@ def _add_model_and_decoding_arguments(parser: argparse.ArgumentParser, new_token
                           "(default: the model's generation config)")
     dec.add_argument("--seed", type=int, help="seed torch before each timed run, so that sampling repeats "
                                               "(default: unseeded)")
+    dec.add_argument("--no-fallback", dest="fallback", action="store_false",
+                     help="keep speculating to the end (default: like generate(), decode autoregressively once "
+                          "speculation costs more per token than an autoregressive step)")
     shape = dec.add_mutually_exclusive_group()
     shape.add_argument("--tree", dest="tree", action="store_true", default=False, help="draft token trees")
     shape.add_argument("--chain", dest="tree", action="store_false",
@@ -142,8 +145,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def stats_line(result: Comparison, settings: DecodeSettings, models: Models) -> str:
     spec, plain = result.specla, result.plain
+    # with the fallback on, the runtime says whether speculation paid, and if not after how many steps it stopped
+    mode = f"; {spec.stats.mode_reason}" if spec.stats.mode_reason else ""
     line = (f"specla: {len(spec.tokens)} tokens, SpecLA {'tree' if settings.tree else 'chain'} "
-            f"{spec.tokens_per_second:.1f} tok/s (tau {spec.stats.tau:.2f} over {spec.stats.steps} steps), "
+            f"{spec.tokens_per_second:.1f} tok/s (tau {spec.stats.tau:.2f} over {spec.stats.steps} steps{mode}), "
             f"plain {plain.tokens_per_second:.1f} tok/s, speedup {result.speedup:.2f}x"
             f"{' (SpecLA slower)' if result.speedup < 1 else ''}, drafter {models.drafter_name}")
     if settings.greedy:
@@ -164,19 +169,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{str(models.target.dtype).removeprefix('torch.')}; drafter {models.drafter_name}")
     width = max(len(pid) for pid, _ in prompts) + 2
     print(f"{'prompt':<{width}}{'tokens':>7}{'plain tok/s':>13}{'SpecLA tok/s':>14}{'tau':>7}{'speedup':>9}"
-          f"{'identical':>11}")
+          f"{'identical':>11}{'fell back':>11}")
     rows = []
     for pid, text in prompts:
         result = compare(models, _encode(models, text), settings)
         spec, plain = result.specla, result.plain
         rows.append((plain.tokens_per_second, spec.tokens_per_second, spec.stats.tau, result.speedup,
-                     result.identical))
+                     result.identical, spec.stats.mode == "autoregressive"))
+        fell_back = ("off" if not settings.fallback else
+                     f"after {spec.stats.speculative_steps}" if rows[-1][5] else "no")
         print(f"{pid:<{width}}{len(spec.tokens):>7}{rows[-1][0]:>13.1f}{rows[-1][1]:>14.1f}{rows[-1][2]:>7.2f}"
-              f"{rows[-1][3]:>8.2f}x{('yes' if result.identical else 'NO') if settings.greedy else '-':>11}",
-              flush=True)
+              f"{rows[-1][3]:>8.2f}x{('yes' if result.identical else 'NO') if settings.greedy else '-':>11}"
+              f"{fell_back:>11}", flush=True)
     med = [statistics.median(col) for col in list(zip(*rows))[:4]]
     identical = f"{sum(r[4] for r in rows)}/{len(rows)}" if settings.greedy else "-"
-    print(f"{'median':<{width}}{'':>7}{med[0]:>13.1f}{med[1]:>14.1f}{med[2]:>7.2f}{med[3]:>8.2f}x{identical:>11}")
+    fell_back = f"{sum(r[5] for r in rows)}/{len(rows)}" if settings.fallback else "off"
+    print(f"{'median':<{width}}{'':>7}{med[0]:>13.1f}{med[1]:>14.1f}{med[2]:>7.2f}{med[3]:>8.2f}x{identical:>11}"
+          f"{fell_back:>11}")
     return 0
 
 
@@ -221,7 +230,7 @@ def _settings(args: argparse.Namespace) -> DecodeSettings:
                          f"one verify pass takes {MAX_TREE_BUDGET + 1} nodes, got {args.draft_depth}")
     temperature = (args.temperature or 1.0) if sampling else 0.0
     settings = DecodeSettings(args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed, args.tree,
-                              args.tree_budget, args.confidence_threshold, args.draft_depth)
+                              args.fallback, args.tree_budget, args.confidence_threshold, args.draft_depth)
     try:
         settings.check()
     except ValueError as e:

@@ -9,7 +9,7 @@ plain decoding, never both at once. While one runs, the page refreshes only that
 the plots are drawn after both have finished (drawn during plain decoding, they slowed it several-fold).
 
 API: ``gradio_client.Client(url).predict(prompt, max_new_tokens, temperature, tree, tree_budget,
-confidence_threshold, api_name="/generate")`` returns both texts and the numbers, without streaming.
+confidence_threshold, fallback, api_name="/generate")`` returns both texts and the numbers, without streaming.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ CSS = f"""
 .legend span {{padding: 1px 6px; border-radius: 3px; font-size: 12px}}
 """
 LEGEND = (f'<b>SpecLA</b> <span class="legend"><span class="{DRAFT}">draft accepted by the target</span> '
-          f'<span class="{BONUS}">the target\'s own token (one per verify step)</span></span>')
+          f'<span class="{BONUS}">the target\'s own token (one per step)</span></span>')
 
 
 def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
@@ -51,8 +51,9 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
     device = str(models.target.device)
 
     def stream(prompt: str, max_new_tokens: float, temperature: float, mode: str, tree_budget: float,
-               confidence_threshold: float) -> Iterator[tuple]:
-        s = _settings(max_new_tokens, temperature, mode == "tree", tree_budget, confidence_threshold, settings)
+               confidence_threshold: float, fallback: bool) -> Iterator[tuple]:
+        s = _settings(max_new_tokens, temperature, mode == "tree", tree_budget, confidence_threshold, fallback,
+                      settings)
         ids = _encode(models, prompt)
         skip = gr.skip()
         yield (_plain_html(""), "", _specla_html([]), "", "", None, None)
@@ -64,7 +65,7 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
                        _plain_line(len(plain_run.tokens), plain_run.seconds),
                        _specla_html(_segments(models.tokenizer, specla.chunks, spec_run)),
                        _specla_line(specla.chunks, spec_run.seconds, spec_run, s), _summary(result, s, device),
-                       steps_figure(spec_run), tree_figure(spec_run.tree, specla.chunks[-1], models.tokenizer))
+                       steps_figure(spec_run), _last_tree_figure(spec_run, specla.chunks, models.tokenizer))
             elif plain.started is not None:
                 tokens = [t for chunk in list(plain.chunks) for t in chunk]
                 yield (_plain_html(_decode(models.tokenizer, tokens)), _plain_line(len(tokens), plain.elapsed()),
@@ -76,15 +77,17 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
 
     def generate(prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, tree: bool = False,
                  tree_budget: int = TREE_DEFAULTS.budget,
-                 confidence_threshold: float = CHAIN_DEFAULTS.threshold) -> dict:
-        """SpecLA and plain decoding on one prompt: both texts, tokens/s, tau, speedup and whether they match."""
-        s = _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold, settings)
+                 confidence_threshold: float = CHAIN_DEFAULTS.threshold, fallback: bool = True) -> dict:
+        """SpecLA and plain decoding on one prompt: both texts, tokens/s, tau, speedup, whether they match, and
+        whether SpecLA speculated to the end ("mode": "speculative") or fell back ("autoregressive", and why)."""
+        s = _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold, fallback, settings)
         result = compare(models, _encode(models, prompt), s)
         return {"plain": _decode(models.tokenizer, result.plain.tokens),
                 "specla": _decode(models.tokenizer, result.specla.tokens),
                 "plain_tokens_per_second": result.plain.tokens_per_second,
                 "specla_tokens_per_second": result.specla.tokens_per_second, "tau": result.specla.stats.tau,
-                "speedup": result.speedup, "identical": result.identical}
+                "speedup": result.speedup, "identical": result.identical, "mode": result.specla.stats.mode,
+                "mode_reason": result.specla.stats.mode_reason}
 
     with gr.Blocks(title="SpecLA-HF", analytics_enabled=False) as app:
         gr.Markdown(f"## SpecLA: lossless speculative decoding for Gated DeltaNet\n"
@@ -102,6 +105,8 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
             tree_budget = gr.Slider(1, MAX_TREE_BUDGET, value=budget, step=1,
                                     label="Tree budget (draft nodes per step)", interactive=settings.tree)
             conf = gr.Slider(0.0, 0.5, value=threshold, step=0.01, label="Confidence threshold")
+            fallback = gr.Checkbox(settings.fallback, label="Fall back to autoregressive decoding when speculation "
+                                                            "does not pay (as generate() does)")
         with gr.Row(equal_height=True):
             with gr.Column():
                 gr.HTML("<b>Plain decoding</b>: one target pass per token")
@@ -116,7 +121,7 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
             steps_plot = gr.Plot(show_label=False, elem_id="steps-plot")
             tree_plot = gr.Plot(show_label=False, elem_id="tree-plot")
         mode.change(lambda m: gr.update(interactive=m == "tree"), mode, tree_budget, api_visibility="private")
-        controls = [prompt, max_new, temperature, mode, tree_budget, conf]
+        controls = [prompt, max_new, temperature, mode, tree_budget, conf, fallback]
         outputs = [plain_text, plain_stats, specla_text, specla_stats, summary, steps_plot, tree_plot]
         for event in (run.click, prompt.submit):
             # one model, one run at a time: the API endpoint below queues behind the same limit
@@ -175,11 +180,11 @@ def _in_background(work: Callable[[], Comparison]) -> Iterator[Comparison | None
     yield result["value"]
 
 
-def _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold,
+def _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold, fallback,
               base: DecodeSettings) -> DecodeSettings:
     s = DecodeSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature), tree=bool(tree),
-                       tree_budget=int(tree_budget), confidence_threshold=float(confidence_threshold),
-                       draft_depth=base.draft_depth)
+                       fallback=bool(fallback), tree_budget=int(tree_budget),
+                       confidence_threshold=float(confidence_threshold), draft_depth=base.draft_depth)
     try:
         s.check()
     except ValueError as e:
@@ -234,9 +239,11 @@ def _plain_html(text: str) -> str:
 def _specla_line(chunks: list[list[int]], seconds: float, run: Run | None, s: DecodeSettings) -> str:
     n, steps = sum(map(len, chunks)), len(chunks)
     line = (f"**{n / seconds if seconds else 0:.1f} tokens/s** · τ = {n / steps if steps else 0:.2f} tokens per "
-            f"verify step · {steps} steps · {n} tokens · {'tree' if s.tree else 'chain'} drafts")
+            f"step · {steps} steps · {n} tokens · {'tree' if s.tree else 'chain'} drafts")
     if run is not None:
         line += f" · draft {run.stats.draft_time:.2f}s, verify {run.stats.verify_time:.2f}s"
+        if run.stats.mode == "autoregressive":
+            line += f" · autoregressive after {run.stats.speculative_steps} speculative steps"
     return line
 
 
@@ -252,11 +259,15 @@ def _summary(result: Comparison, s: DecodeSettings, device: str) -> str:
     if s.greedy:
         line += (" — output identical to plain greedy decoding" if result.identical else
                  " — output DIFFERS from plain greedy decoding")
+    stats = result.specla.stats
+    if stats.mode_reason:           # with the fallback on: did speculation pay, or when did it stop, and why
+        line += f"\n\nSpecLA's mode: **{stats.mode}** ({stats.mode_reason})"
     return line
 
 
 def steps_figure(run: Run) -> Figure:
-    """Per verify step: accepted drafts and the bonus token, stacked, against the draft nodes verified."""
+    """Per target step: accepted drafts and the target's own token, stacked, against the draft nodes verified (none
+    for autoregressive steps after a fallback)."""
     stats = run.stats
     fig = Figure(figsize=(6.4, 3.2), layout="constrained")
     ax = fig.add_subplot()
@@ -265,11 +276,17 @@ def steps_figure(run: Run) -> Figure:
     ax.bar(steps, stats.accepted, color=COLORS[DRAFT], label="accepted drafts")
     ax.bar(steps, [1] * stats.steps, bottom=stats.accepted, color=COLORS[BONUS], label="target's token")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("verify step")
+    ax.set_xlabel("target step (a verify pass, or an autoregressive step after a fallback)")
     ax.set_ylabel("tokens")
-    ax.set_title(f"tokens per verify step (τ = {stats.tau:.2f})")
+    ax.set_title(f"tokens per target step (τ = {stats.tau:.2f})")
     ax.legend(loc="upper right", fontsize=8)
     return fig
+
+
+def _last_tree_figure(run: Run, chunks: list[list[int]], tokenizer) -> Figure:
+    """The last verified tree with what its step emitted: the speculative steps come first, one chunk each, and
+    autoregressive steps after a fallback verify no tree."""
+    return tree_figure(run.tree, chunks[run.stats.speculative_steps - 1], tokenizer)
 
 
 def accepted_path(tree: DraftTree, emitted: list[int]) -> tuple[list[int], int | None]:

@@ -31,6 +31,7 @@ class DecodeSettings:
     top_p: float | None = None
     seed: int | None = None                   # seeds torch before each timed run: sampled runs repeat
     tree: bool = False                        # False: a chain of drafts, generate()'s default
+    fallback: bool = True                     # decode autoregressively once speculation does not pay, as generate()
     tree_budget: int | None = None            # None: the library defaults (specla_hf.generation)
     confidence_threshold: float | None = None
     draft_depth: int | None = None
@@ -120,7 +121,8 @@ def run_plain(models: Models, input_ids: torch.LongTensor, settings: DecodeSetti
 def run_specla(models: Models, input_ids: torch.LongTensor, settings: DecodeSettings, streamer=None) -> Run:
     # build the drafter wrapper here rather than in generate() so that its last verified tree stays reachable
     drafter = make_drafter(models.target, models.drafter, settings.draft_options())
-    run = _timed(models, input_ids, settings, streamer, assistant_model=drafter)
+    run = _timed(models, input_ids, settings, streamer, assistant_model=drafter,
+                 autoregressive_fallback=settings.fallback)
     run.stats, run.tree = models.target.specla_stats, drafter.last_tree
     return run
 
