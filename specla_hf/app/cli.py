@@ -92,7 +92,8 @@ def _add_model_and_decoding_arguments(parser: argparse.ArgumentParser, new_token
     dec.add_argument("--top-p", type=_bounded(float, lambda p: 0 < p <= 1, "above 0 and at most 1"),
                      help="sample from the fewest most likely tokens whose probabilities add up to P "
                           "(default: the model's generation config)")
-    dec.add_argument("--seed", type=int, help="seed torch before each timed run, so that sampling repeats "
+    dec.add_argument("--seed", type=int, help="seed torch before each timed run, so that a sampled run repeats; "
+                                              "with --no-fallback, as when the fallback switches depends on timing "
                                               "(default: unseeded)")
     dec.add_argument("--no-fallback", dest="fallback", action="store_false",
                      help="keep speculating to the end (default: like generate(), decode autoregressively once "
