@@ -176,13 +176,6 @@ def test_errors_are_one_clear_line(ckpts, tmp_path):
                       "argument --tree-budget: must be between 1 and 127, got 1000"),
         "empty tree": (["bench", "--tree", "--tree-budget", "0"],
                        "argument --tree-budget: must be between 1 and 127, got 0"),
-        "budget without tree": (["generate", "--tree-budget", "8", "x"],
-                                "--tree-budget shapes a draft tree: add --tree"),
-        "deep tree": (["generate", "--tree", "--draft-depth", "40", "x"],
-                      "argument --draft-depth: at most 31 for trees, as one verify pass takes 128 nodes, got 40"),
-        "top-k when greedy": (["generate", "--top-k", "5", "x"],
-                              "--top-k / --top-p shape sampling: add --do-sample"),
-        "unknown option": (["generate", "--beams", "x"], "unrecognized arguments: --beams (see specla --help)"),
     }
     if not torch.cuda.is_available():
         cases["no gpu"] = (["generate", "--target", t, "--drafter", d, "--device", "cuda", "x"],
@@ -241,6 +234,28 @@ def test_readme_examples_print_what_the_readme_says():
 # ---------------------------------------------------------------------------------------------------------------
 # in process
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, expected", [
+    (["generate", "--tree-budget", "8", "x"], "--tree-budget shapes a draft tree: add --tree"),
+    (["generate", "--tree", "--draft-depth", "40", "x"],
+     "argument --draft-depth: at most 31 for trees, as one verify pass takes 128 nodes, got 40"),
+    (["generate", "--chain", "--draft-depth", "128", "x"], "argument --draft-depth: at most 127 for chains"),
+    (["generate", "--top-k", "5", "x"], "--top-k / --top-p shape sampling: add --do-sample"),
+    (["generate", "--do-sample", "--temperature", "0", "x"], "--do-sample with --temperature 0: 0 means greedy"),
+    (["generate", "--do-sample", "--top-p", "1.5", "x"], "argument --top-p: must be above 0 and at most 1, got 1.5"),
+    (["bench", "--limit", "0"], "argument --limit: must be at least 1, got 0"),
+    (["generate", "--beams", "x"], "unrecognized arguments: --beams (see specla --help)"),
+    ([], "the following arguments are required"),
+], ids=["budget-without-tree", "deep-tree", "deep-chain", "top-k-greedy", "sample-at-0", "top-p", "limit",
+        "unknown", "no-command"])
+def test_usage_errors_before_any_model_loads(args, expected, capsys):
+    """More bad input, each refused as one line (argparse's own errors too) by the same main() the subprocesses run."""
+    from specla_hf.app.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specla: error: ") and expected in err, err
+
+
 def test_layer_skip_drafter_is_the_targets_first_block():
     target = tiny_gdn(seed=5, layers=3)
     drafter = layer_skip_drafter(target)
