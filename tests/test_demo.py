@@ -1,5 +1,7 @@
 """The Gradio demo, served by `specla demo` on 127.0.0.1: its API through gradio_client, its page in Chromium."""
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,9 +14,11 @@ import torch
 
 from tiny_checkpoints import greedy_text, save_tiny_checkpoints
 
-CHROMIUM = Path("/usr/bin/chromium")
-# the flags of ../shared/notes/cpu-testing.md: without the background-networking ones Chromium floods the closed
-# network with connection attempts
+# a system Chromium (Debian's chromium package, as CI installs it); without one, Playwright's own browser if
+# `playwright install chromium` has downloaded it
+SYSTEM_CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# without the background-networking flags Chromium keeps trying to reach Google's services, which on a machine
+# without network floods it with failing connection attempts
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -62,6 +66,16 @@ def test_api_specla_text_is_plain_greedy_text(server, ckpts):
         out = client.predict("def add(x, y):", 40, 0.0, tree, 12, 0.0, api_name="/generate")
         assert out["specla"] == out["plain"] == expected and out["identical"] is True, tree
         assert out["tau"] >= 1.0 and out["plain_tokens_per_second"] > 0 and out["specla_tokens_per_second"] > 0
+        assert out["speedup"] == pytest.approx(out["specla_tokens_per_second"] / out["plain_tokens_per_second"])
+        assert out["mode"] in ("speculative", "autoregressive") and out["mode_reason"]      # the fallback is on
+
+
+def test_api_rejects_a_tree_budget_one_verify_pass_cannot_take(server):
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="tree budget must be between 1 and 127"):
+        Client(server, verbose=False).predict("x", 8, 0.0, True, 1000, 0.0, api_name="/generate")
 
 
 def test_api_rejects_an_empty_prompt(server):
@@ -72,21 +86,29 @@ def test_api_rejects_an_empty_prompt(server):
         Client(server, verbose=False).predict("   ", api_name="/generate")
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (/usr/bin/chromium): "
-                                                  "apt-get install -y chromium chromium-driver")
 def test_browser_fills_both_panes(server, ckpts, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     prompt, n = "The quick brown fox", 24
     expected = greedy_text(ckpts["target"], prompt, n)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        if SYSTEM_CHROMIUM is None and not Path(p.chromium.executable_path).exists():
+            pytest.skip("no Chromium: apt-get install -y chromium (Debian, Ubuntu), or playwright install chromium")
+        browser = p.chromium.launch(executable_path=SYSTEM_CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1300})
             page.goto(server)
             page.locator("#prompt textarea").fill(prompt)
             page.locator("#run").click()
             expect(page.locator("#summary")).to_contain_text("identical to plain greedy decoding", timeout=120_000)
+            # the summary says which decoder was faster, and its ratio is that of the tokens/s under the panes
+            summary = page.locator("#summary").inner_text()
+            speedup = float(re.search(r"ran at ([\d.]+)× the tokens/s of plain decoding", summary).group(1))
+            verdict = "slower than plain decoding" if speedup < 1 else "faster than plain decoding"
+            assert f"{verdict} on this cpu" in summary, summary
+            specla_tps, plain_tps = (float(re.search(r"([\d.]+) tokens/s", page.locator(pane).inner_text()).group(1))
+                                     for pane in ("#specla-stats", "#plain-stats"))
+            assert speedup == pytest.approx(specla_tps / plain_tps, rel=0.05, abs=0.01)
             assert page.locator("#plain-output .specla-text").inner_text() == expected
             # the SpecLA pane: the same text, in spans coloured by how each token came (the drafter agrees often)
             specla = page.locator("#specla-output .specla-text")
@@ -132,3 +154,42 @@ def test_segments_colour_drafts_and_the_targets_token():
     # finished run whose last step accepted 3 drafts but stopped after 2 tokens: no bonus token in that chunk
     run = Run(ids("ab!cde"), 1.0, SpecLAStats(steps=3, accepted=[2, 0, 3]))
     assert _segments(tok, chunks, run)[-1] == ("de", DRAFT)
+
+
+def test_page_draws_nothing_else_while_a_decoder_is_timed(ckpts, monkeypatch):
+    """The streamed page times both decoders with the same ``compare`` as the API and the CLI, and while one runs it
+    refreshes only that one's pane: no plot (matplotlib) and no other pane is sent during the timed runs, so that
+    neither decoder pays for UI work the other does not. The final update shows compare's numbers."""
+    import gradio as gr
+
+    from specla_hf.app import demo
+    from specla_hf.app.loading import load_models
+    from specla_hf.app.runs import DecodeSettings, compare
+
+    results = []
+
+    def recording_compare(*args, **kwargs):
+        results.append(compare(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(demo, "compare", recording_compare)
+    monkeypatch.setattr(demo, "UPDATE_EVERY_S", 0.005)          # many refreshes during each run
+    models = load_models(str(ckpts["target"]), str(ckpts["drafter"]))
+    app = demo.build_app(models, DecodeSettings(tree=True, confidence_threshold=0.0))
+    stream = next(f.fn for f in app.fns.values() if f.name == "stream")
+    updates = list(stream("The quick brown fox", 96, 0.0, "tree", 16, 0.0, True))
+
+    skip = gr.skip()
+    *running, final = updates[1:]                               # updates[0] clears the page
+    plain_updates = [u for u in running if u[0] != skip]
+    specla_updates = [u for u in running if u[2] != skip]
+    assert plain_updates and specla_updates                     # both panes streamed
+    for update in running:
+        assert update[4:] == (skip, skip, skip), "summary or plots sent while a decoder was being timed"
+        assert (update[0] == skip) != (update[2] == skip), "both panes sent in one refresh"
+    assert updates.index(plain_updates[0]) > updates.index(specla_updates[-1])      # SpecLA first, then plain
+    (result,) = results
+    assert f"ran at {result.speedup:.2f}× the tokens/s of plain decoding" in final[4]
+    stats = result.specla.stats
+    assert f"SpecLA's mode: **{stats.mode}** ({stats.mode_reason})" in final[4]      # the fallback's verdict
+    assert all(hasattr(plot, "savefig") for plot in final[5:])  # the two matplotlib figures, at the end only

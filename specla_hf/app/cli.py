@@ -18,17 +18,25 @@ from transformers.utils import logging as hf_logging
 
 from specla_hf.app.loading import DTYPES, LAYER_SKIP, ModelError, Models, load_models
 from specla_hf.app.prompts import load_prompts
-from specla_hf.app.runs import DecodeSettings, Run, encode, run_plain, run_specla, warm_up
+from specla_hf.app.runs import MAX_TREE_BUDGET, Comparison, DecodeSettings, compare, encode
+from specla_hf.generation import CHAIN_DEFAULTS, TREE_DEFAULTS
 
 
 class UsageError(Exception):
     """Bad input from the user; reported as one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (unknown option, bad value) as one line like every other bad input, not usage + line."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     hf_logging.disable_progress_bar()          # weight-loading bars would interleave with the streamed text
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args)
     except (UsageError, ModelError) as e:
         print(f"specla: error: {e}", file=sys.stderr)
@@ -39,44 +47,87 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    models = common.add_argument_group("models")
-    models.add_argument("--target", help="target model: a local folder or a Hugging Face Hub id (default: the "
-                                         "embedded specla-gdn-tiny in $SPECLA_HOME or the repository's checkpoints/)")
-    models.add_argument("--drafter", help=f"drafter: a folder or Hub id, or {LAYER_SKIP!r} for the target's first "
-                                          "block (default: the aligned drafter of the default target if present, "
-                                          "else layer-skip)")
-    models.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser = _Parser(prog="specla", description=__doc__.split("\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo}")
+    gen = sub.add_parser("generate", help="generate from one prompt, with a stats line")
+    gen.add_argument("prompt", nargs="?", default="-", help="the prompt ('-' or nothing: read it from stdin)")
+    _add_model_and_decoding_arguments(gen, new_tokens=128)
+    gen.set_defaults(run=cmd_generate)
+    bench = sub.add_parser("bench", help="plain vs SpecLA decoding on a prompt set")
+    bench.add_argument("--prompts", help="JSON-lines prompt file (MT-Bench, HumanEval, AlpacaEval layouts; default: "
+                                         "a few MT-Bench and HumanEval prompts shipped in the package)")
+    bench.add_argument("--limit", type=POSITIVE_INT, default=8, help="first N prompts of the set (default: 8)")
+    _add_model_and_decoding_arguments(bench, new_tokens=64)
+    bench.set_defaults(run=cmd_bench)
+    demo = sub.add_parser("demo", help="launch the Gradio web demo")
+    demo.add_argument("--host", default="127.0.0.1", help="address to listen on, 0.0.0.0 for every interface "
+                                                          "(default: 127.0.0.1)")
+    demo.add_argument("--port", type=int, default=7860, help="(default: 7860)")
+    _add_model_and_decoding_arguments(demo, new_tokens=128)
+    demo.set_defaults(run=cmd_demo)
+    return parser
+
+
+def _add_model_and_decoding_arguments(parser: argparse.ArgumentParser, new_tokens: int) -> None:
+    """Each subcommand gets its own copies: argparse's parents= would share one default for --max-new-tokens."""
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", help="a local folder or a Hugging Face Hub id (default: the embedded "
+                                         "specla-gdn-tiny in $SPECLA_HOME, else the repository's checkpoints/)")
+    models.add_argument("--drafter", help=f"a folder or Hub id, or {LAYER_SKIP!r} for the target's first block "
+                                          "(default: the default target's aligned drafter specla-gdn-tiny-drafter "
+                                          "when it is there, else layer-skip)")
+    models.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     models.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="auto: float32 on cpu, bfloat16 on cuda")
-    dec = common.add_argument_group("decoding")
-    dec.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per prompt")
-    dec.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
+                        help="auto: float32 on cpu, bfloat16 on cuda (default: auto)")
+    dec = parser.add_argument_group("decoding")
+    dec.add_argument("--max-new-tokens", type=POSITIVE_INT, default=new_tokens,
+                     help=f"tokens to generate per prompt (default: {new_tokens})")
+    dec.add_argument("--do-sample", action="store_true", help="sample (at --temperature, default 1.0) instead of "
+                                                              "decoding greedily (default: greedy)")
+    dec.add_argument("--temperature", type=_bounded(float, lambda t: t >= 0, "at least 0"),
+                     help="sampling temperature; a value above 0 implies --do-sample, 0 means greedy")
+    dec.add_argument("--top-k", type=POSITIVE_INT,
+                     help="sample among the K most likely tokens (default: the model's generation config)")
+    dec.add_argument("--top-p", type=_bounded(float, lambda p: 0 < p <= 1, "above 0 and at most 1"),
+                     help="sample from the fewest most likely tokens whose probabilities add up to P "
+                          "(default: the model's generation config)")
+    dec.add_argument("--seed", type=int, help="seed torch before each timed run, so that a sampled run repeats; "
+                                              "with --no-fallback, as when the fallback switches depends on timing "
+                                              "(default: unseeded)")
+    dec.add_argument("--no-fallback", dest="fallback", action="store_false",
+                     help="keep speculating to the end (default: like generate(), decode autoregressively once "
+                          "speculation costs more per token than an autoregressive step)")
     shape = dec.add_mutually_exclusive_group()
     shape.add_argument("--tree", dest="tree", action="store_true", default=False, help="draft token trees")
     shape.add_argument("--chain", dest="tree", action="store_false",
-                       help="draft a single chain of tokens (default, as in generate())")
-    dec.add_argument("--tree-budget", type=int, default=None, help="draft nodes verified per step (tree only)")
-    dec.add_argument("--confidence-threshold", type=float, default=None,
-                     help="drop draft nodes whose cumulative draft probability is below this")
-    dec.add_argument("--draft-depth", type=int, default=None, help="longest draft path")
+                       help="draft a single chain of tokens (the default, as in generate())")
+    dec.add_argument("--tree-budget", type=_bounded(int, lambda n: 1 <= n <= MAX_TREE_BUDGET,
+                                                    f"between 1 and {MAX_TREE_BUDGET}"),
+                     help=f"draft nodes verified per step, with --tree: 1-{MAX_TREE_BUDGET}, as one verify pass "
+                          f"takes the root and at most {MAX_TREE_BUDGET} drafts (default: {TREE_DEFAULTS.budget})")
+    dec.add_argument("--confidence-threshold", type=_bounded(float, lambda p: 0 <= p < 1, "at least 0 and below 1"),
+                     help="drop draft nodes whose cumulative draft probability is below this "
+                          f"(default: {CHAIN_DEFAULTS.threshold} for chains, {TREE_DEFAULTS.threshold} for trees)")
+    dec.add_argument("--draft-depth", type=POSITIVE_INT,
+                     help=f"longest draft path (default: {CHAIN_DEFAULTS.depth} for chains, "
+                          f"{TREE_DEFAULTS.depth} for trees)")
 
-    parser = argparse.ArgumentParser(prog="specla", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,demo}")
-    gen = sub.add_parser("generate", parents=[common], help="generate from one prompt, with a stats line")
-    gen.add_argument("prompt", nargs="?", default="-", help="the prompt ('-' or nothing: read it from stdin)")
-    gen.set_defaults(run=cmd_generate, default_new_tokens=128)
-    bench = sub.add_parser("bench", parents=[common], help="plain vs SpecLA decoding on a prompt set")
-    bench.add_argument("--prompts", help="JSON-lines prompt file (MT-Bench, HumanEval, AlpacaEval layouts; default: "
-                                         "a few MT-Bench and HumanEval prompts shipped in the package)")
-    bench.add_argument("--limit", type=int, default=8, help="first N prompts of the set (default 8)")
-    bench.set_defaults(run=cmd_bench, default_new_tokens=64)
-    demo = sub.add_parser("demo", parents=[common], help="launch the Gradio web demo")
-    demo.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    demo.add_argument("--port", type=int, default=7860)
-    demo.set_defaults(run=cmd_demo, default_new_tokens=128)
-    return parser
+
+def _bounded(kind: type, ok, requirement: str):
+    """An argparse type: a number of ``kind`` for which ``ok(value)`` holds; the error says the ``requirement``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
+        return value
+    return parse
+
+
+POSITIVE_INT = _bounded(int, lambda n: n >= 1, "at least 1")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -87,21 +138,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     models = _load(args)
     ids = _encode(models, prompt)
-    warm_up(models, ids, settings)
-    spec = run_specla(models, ids, settings, TextStreamer(models.tokenizer, skip_prompt=True,
-                                                          skip_special_tokens=True))
-    plain = run_plain(models, ids, settings)
-    print(stats_line(spec, plain, settings, models), file=sys.stderr)
+    result = compare(models, ids, settings, specla_streamer=TextStreamer(models.tokenizer, skip_prompt=True,
+                                                                         skip_special_tokens=True))
+    print(stats_line(result, settings, models), file=sys.stderr)
     return 0
 
 
-def stats_line(spec: Run, plain: Run, settings: DecodeSettings, models: Models) -> str:
-    mode = "tree" if settings.tree else "chain"
-    line = (f"specla: {len(spec.tokens)} tokens, SpecLA {mode} {spec.tokens_per_second:.1f} tok/s "
-            f"(tau {spec.stats.tau:.2f} over {spec.stats.steps} steps), plain {plain.tokens_per_second:.1f} tok/s, "
-            f"speedup {_speedup(spec, plain):.2f}x, drafter {models.drafter_name}")
+def stats_line(result: Comparison, settings: DecodeSettings, models: Models) -> str:
+    spec, plain = result.specla, result.plain
+    # with the fallback on, the runtime says whether speculation paid, and if not after how many steps it stopped
+    mode = f"; {spec.stats.mode_reason}" if spec.stats.mode_reason else ""
+    line = (f"specla: {len(spec.tokens)} tokens, SpecLA {'tree' if settings.tree else 'chain'} "
+            f"{spec.tokens_per_second:.1f} tok/s (tau {spec.stats.tau:.2f} over {spec.stats.steps} steps{mode}), "
+            f"plain {plain.tokens_per_second:.1f} tok/s, speedup {result.speedup:.2f}x"
+            f"{' (SpecLA slower)' if result.speedup < 1 else ''}, drafter {models.drafter_name}")
     if settings.greedy:
-        line += ", identical to plain" if spec.tokens == plain.tokens else \
+        line += ", identical to plain" if result.identical else \
             f", DIFFERS from plain at token {_first_difference(spec.tokens, plain.tokens)}"
     return line
 
@@ -109,33 +161,41 @@ def stats_line(spec: Run, plain: Run, settings: DecodeSettings, models: Models) 
 def cmd_bench(args: argparse.Namespace) -> int:
     settings = _settings(args)
     try:
-        prompts = load_prompts(args.prompts)
+        prompts = load_prompts(args.prompts)[:args.limit]
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.limit < 1:
-        raise UsageError(f"--limit must be >= 1, got {args.limit}")
-    prompts = prompts[:args.limit]
     models = _load(args)
-    print(f"specla bench: {len(prompts)} prompts, {settings.max_new_tokens} new tokens, "
-          f"{'greedy' if settings.greedy else f'temperature {settings.temperature}'}, "
+    print(f"specla bench: {len(prompts)} prompts, {settings.max_new_tokens} new tokens, {_decoding(settings)}, "
           f"{'tree' if settings.tree else 'chain'}; target {models.target_name} on {models.target.device} "
           f"{str(models.target.dtype).removeprefix('torch.')}; drafter {models.drafter_name}")
     width = max(len(pid) for pid, _ in prompts) + 2
     print(f"{'prompt':<{width}}{'tokens':>7}{'plain tok/s':>13}{'SpecLA tok/s':>14}{'tau':>7}{'speedup':>9}"
-          f"{'identical':>11}")
-    warm_up(models, _encode(models, prompts[0][1]), settings)
+          f"{'identical':>11}{'fell back':>11}")
     rows = []
     for pid, text in prompts:
-        ids = _encode(models, text)
-        spec, plain = run_specla(models, ids, settings), run_plain(models, ids, settings)
-        same = spec.tokens == plain.tokens
-        rows.append((plain.tokens_per_second, spec.tokens_per_second, spec.stats.tau, _speedup(spec, plain), same))
+        result = compare(models, _encode(models, text), settings)
+        spec, plain = result.specla, result.plain
+        rows.append((plain.tokens_per_second, spec.tokens_per_second, spec.stats.tau, result.speedup,
+                     result.identical, spec.stats.mode == "autoregressive"))
+        fell_back = ("off" if not settings.fallback else
+                     f"after {spec.stats.speculative_steps}" if rows[-1][5] else "no")
         print(f"{pid:<{width}}{len(spec.tokens):>7}{rows[-1][0]:>13.1f}{rows[-1][1]:>14.1f}{rows[-1][2]:>7.2f}"
-              f"{rows[-1][3]:>8.2f}x{('yes' if same else 'NO') if settings.greedy else '-':>11}", flush=True)
+              f"{rows[-1][3]:>8.2f}x{('yes' if result.identical else 'NO') if settings.greedy else '-':>11}"
+              f"{fell_back:>11}", flush=True)
     med = [statistics.median(col) for col in list(zip(*rows))[:4]]
     identical = f"{sum(r[4] for r in rows)}/{len(rows)}" if settings.greedy else "-"
-    print(f"{'median':<{width}}{'':>7}{med[0]:>13.1f}{med[1]:>14.1f}{med[2]:>7.2f}{med[3]:>8.2f}x{identical:>11}")
+    fell_back = f"{sum(r[5] for r in rows)}/{len(rows)}" if settings.fallback else "off"
+    print(f"{'median':<{width}}{'':>7}{med[0]:>13.1f}{med[1]:>14.1f}{med[2]:>7.2f}{med[3]:>8.2f}x{identical:>11}"
+          f"{fell_back:>11}")
     return 0
+
+
+def _decoding(settings: DecodeSettings) -> str:
+    if settings.greedy:
+        return "greedy"
+    shaping = "".join(f", {name} {value}" for name, value in (("top-k", settings.top_k), ("top-p", settings.top_p),
+                                                              ("seed", settings.seed)) if value is not None)
+    return f"sampling at temperature {settings.temperature}{shaping}"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -155,15 +215,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------------------------
 def _settings(args: argparse.Namespace) -> DecodeSettings:
-    settings = DecodeSettings(args.max_new_tokens or args.default_new_tokens, args.temperature, args.tree,
-                              args.tree_budget, args.confidence_threshold, args.draft_depth)
-    try:                                   # check every value now, before seconds of model loading
-        settings.generate_kwargs()
-        settings.draft_options()
+    """The decoding settings, every value checked now, before seconds of model loading."""
+    if args.do_sample and args.temperature == 0:
+        raise UsageError("--do-sample with --temperature 0: 0 means greedy; pass a temperature above 0 or drop "
+                         "--do-sample")
+    sampling = args.do_sample or bool(args.temperature)
+    if not sampling and (args.top_k is not None or args.top_p is not None):
+        raise UsageError("--top-k / --top-p shape sampling: add --do-sample (or a --temperature above 0)")
+    if args.tree_budget is not None and not args.tree:
+        raise UsageError("--tree-budget shapes a draft tree: add --tree (chain drafting, the default, has none)")
+    # a tree expands TREE_DEFAULTS.topk nodes per depth, and all of them must fit one verify pass
+    deepest = MAX_TREE_BUDGET // (TREE_DEFAULTS.topk if args.tree else 1)
+    if args.draft_depth is not None and args.draft_depth > deepest:
+        raise UsageError(f"argument --draft-depth: at most {deepest} for {'trees' if args.tree else 'chains'}, as "
+                         f"one verify pass takes {MAX_TREE_BUDGET + 1} nodes, got {args.draft_depth}")
+    temperature = (args.temperature or 1.0) if sampling else 0.0
+    settings = DecodeSettings(args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed, args.tree,
+                              args.fallback, args.tree_budget, args.confidence_threshold, args.draft_depth)
+    try:
+        settings.check()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.tree_budget is not None and not args.tree:
-        raise UsageError("--tree-budget shapes a draft tree; drop it or drop --chain")
     return settings
 
 
@@ -180,10 +252,6 @@ def _encode(models: Models, prompt: str):
         return encode(models, prompt)
     except ValueError as e:
         raise UsageError(str(e)) from None
-
-
-def _speedup(spec: Run, plain: Run) -> float:
-    return spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else float("nan")
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

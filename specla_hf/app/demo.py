@@ -1,13 +1,15 @@
-"""The SpecLA Gradio demo: plain decoding and SpecLA stream the same prompt side by side, speculation made visible.
+"""The SpecLA Gradio demo: SpecLA and plain decoding stream the same prompt side by side, speculation made visible.
 
 The SpecLA pane colours each token by how it came, from the streamer alone: SpecLA's loop hands it one chunk per
 verify step (the drafts the target accepted, then the target's own bonus token), plain decoding one token per step.
 Below are the tokens emitted per verify step and the last draft tree the target verified, with the accepted path.
-SpecLA runs first, then plain decoding, never both at once, so that each has the whole machine and their tokens/s
-compare fairly.
+
+Both decoders are timed by ``specla_hf.app.runs.compare``, as in the CLI and the API: the same warm-up, SpecLA then
+plain decoding, never both at once. While one runs, the page refreshes only that one's pane, a few times a second;
+the plots are drawn after both have finished (drawn during plain decoding, they slowed it several-fold).
 
 API: ``gradio_client.Client(url).predict(prompt, max_new_tokens, temperature, tree, tree_budget,
-confidence_threshold, api_name="/generate")`` returns both texts and the numbers, without streaming.
+confidence_threshold, fallback, api_name="/generate")`` returns both texts and the numbers, without streaming.
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from transformers.generation.streamers import BaseStreamer
 
 from specla_hf.app.loading import Models
+from specla_hf.app.prompts import SHIPPED
+from specla_hf.app.runs import MAX_TREE_BUDGET, Comparison, DecodeSettings, Run, compare, encode
 from specla_hf.drafters.base import DraftTree
 from specla_hf.generation import CHAIN_DEFAULTS, TREE_DEFAULTS
-from specla_hf.app.prompts import SHIPPED
-from specla_hf.app.runs import DecodeSettings, Run, encode, run_plain, run_specla, warm_up
 
 DRAFT, BONUS = "draft", "bonus"
 COLORS = {DRAFT: "#a5dea8", BONUS: "#f9c98f"}
@@ -38,49 +41,59 @@ CSS = f"""
 .legend span {{padding: 1px 6px; border-radius: 3px; font-size: 12px}}
 """
 LEGEND = (f'<b>SpecLA</b> <span class="legend"><span class="{DRAFT}">draft accepted by the target</span> '
-          f'<span class="{BONUS}">the target\'s own token (one per verify step)</span></span>')
+          f'<span class="{BONUS}">the target\'s own token (one per step)</span></span>')
 
 
 def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
     budget = settings.tree_budget or TREE_DEFAULTS.budget
     threshold = settings.confidence_threshold if settings.confidence_threshold is not None else \
         (TREE_DEFAULTS if settings.tree else CHAIN_DEFAULTS).threshold
+    device = str(models.target.device)
 
     def stream(prompt: str, max_new_tokens: float, temperature: float, mode: str, tree_budget: float,
-               confidence_threshold: float) -> Iterator[tuple]:
-        s = _settings(max_new_tokens, temperature, mode == "tree", tree_budget, confidence_threshold, settings)
+               confidence_threshold: float, fallback: bool) -> Iterator[tuple]:
+        s = _settings(max_new_tokens, temperature, mode == "tree", tree_budget, confidence_threshold, fallback,
+                      settings)
         ids = _encode(models, prompt)
+        skip = gr.skip()
         yield (_plain_html(""), "", _specla_html([]), "", "", None, None)
-        start = time.perf_counter()
-        for chunks, spec in _stream(run_specla, models, ids, s):
-            seconds = spec.seconds if spec else time.perf_counter() - start
-            specla = (_specla_html(_segments(models.tokenizer, chunks, spec)), _specla_line(chunks, seconds, spec, s))
-            yield (_plain_html(""), "", *specla, "", None, None)
-        figures = (steps_figure(spec), tree_figure(spec.tree, chunks[-1], models.tokenizer))
-        start = time.perf_counter()
-        for chunks, plain in _stream(run_plain, models, ids, s):
-            tokens = [t for chunk in chunks for t in chunk]
-            seconds = plain.seconds if plain else time.perf_counter() - start
-            yield (_plain_html(_decode(models.tokenizer, tokens)), _plain_line(len(tokens), seconds), *specla,
-                   _summary(spec, plain, s) if plain else "", *figures)
+        specla, plain = _Collector(), _Collector()
+        for result in _in_background(lambda: compare(models, ids, s, specla, plain)):
+            if result is not None:
+                spec_run, plain_run = result.specla, result.plain
+                yield (_plain_html(_decode(models.tokenizer, plain_run.tokens)),
+                       _plain_line(len(plain_run.tokens), plain_run.seconds),
+                       _specla_html(_segments(models.tokenizer, specla.chunks, spec_run)),
+                       _specla_line(specla.chunks, spec_run.seconds, spec_run, s), _summary(result, s, device),
+                       steps_figure(spec_run), _last_tree_figure(spec_run, specla.chunks, models.tokenizer))
+            elif plain.started is not None:
+                tokens = [t for chunk in list(plain.chunks) for t in chunk]
+                yield (_plain_html(_decode(models.tokenizer, tokens)), _plain_line(len(tokens), plain.elapsed()),
+                       skip, skip, skip, skip, skip)
+            elif specla.started is not None:
+                chunks = list(specla.chunks)
+                yield (skip, skip, _specla_html(_segments(models.tokenizer, chunks, None)),
+                       _specla_line(chunks, specla.elapsed(), None, s), skip, skip, skip)
 
     def generate(prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, tree: bool = False,
                  tree_budget: int = TREE_DEFAULTS.budget,
-                 confidence_threshold: float = CHAIN_DEFAULTS.threshold) -> dict:
-        """Plain decoding and SpecLA on one prompt: both texts, tokens/s, tau, speedup and whether they match."""
-        s = _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold, settings)
-        ids = _encode(models, prompt)
-        spec, plain = run_specla(models, ids, s), run_plain(models, ids, s)
-        return {"plain": _decode(models.tokenizer, plain.tokens), "specla": _decode(models.tokenizer, spec.tokens),
-                "plain_tokens_per_second": plain.tokens_per_second,
-                "specla_tokens_per_second": spec.tokens_per_second, "tau": spec.stats.tau,
-                "speedup": spec.tokens_per_second / plain.tokens_per_second, "identical": spec.tokens == plain.tokens}
+                 confidence_threshold: float = CHAIN_DEFAULTS.threshold, fallback: bool = True) -> dict:
+        """SpecLA and plain decoding on one prompt: both texts, tokens/s, tau, speedup, whether they match, and
+        whether SpecLA speculated to the end ("mode": "speculative") or fell back ("autoregressive", and why)."""
+        s = _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold, fallback, settings)
+        result = compare(models, _encode(models, prompt), s)
+        return {"plain": _decode(models.tokenizer, result.plain.tokens),
+                "specla": _decode(models.tokenizer, result.specla.tokens),
+                "plain_tokens_per_second": result.plain.tokens_per_second,
+                "specla_tokens_per_second": result.specla.tokens_per_second, "tau": result.specla.stats.tau,
+                "speedup": result.speedup, "identical": result.identical, "mode": result.specla.stats.mode,
+                "mode_reason": result.specla.stats.mode_reason}
 
     with gr.Blocks(title="SpecLA-HF", analytics_enabled=False) as app:
         gr.Markdown(f"## SpecLA: lossless speculative decoding for Gated DeltaNet\n"
-                    f"Target **{models.target_name}** ({models.target.device}, "
-                    f"{str(models.target.dtype).removeprefix('torch.')}), drafter **{models.drafter_name}**. "
-                    "SpecLA runs first, then plain decoding, each with the whole machine.")
+                    f"Target **{models.target_name}** ({device}, {str(models.target.dtype).removeprefix('torch.')}), "
+                    f"drafter **{models.drafter_name}**. SpecLA runs first, then plain decoding, each after the same "
+                    "warm-up and with the whole machine; the line under the panes says which was faster here.")
         with gr.Row():
             prompt = gr.Textbox(label="Prompt", lines=4, scale=5, elem_id="prompt")
             run = gr.Button("Generate", variant="primary", scale=1, elem_id="run")
@@ -89,9 +102,11 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
             temperature = gr.Slider(0.0, 1.5, value=settings.temperature, step=0.05, label="Temperature (0 = greedy)")
             max_new = gr.Slider(8, 512, value=settings.max_new_tokens, step=8, label="Max new tokens")
             mode = gr.Radio(["tree", "chain"], value="tree" if settings.tree else "chain", label="Drafts")
-            tree_budget = gr.Slider(1, 64, value=budget, step=1, label="Tree budget (draft nodes per step)",
-                                    interactive=settings.tree)
+            tree_budget = gr.Slider(1, MAX_TREE_BUDGET, value=budget, step=1,
+                                    label="Tree budget (draft nodes per step)", interactive=settings.tree)
             conf = gr.Slider(0.0, 0.5, value=threshold, step=0.01, label="Confidence threshold")
+            fallback = gr.Checkbox(settings.fallback, label="Fall back to autoregressive decoding when speculation "
+                                                            "does not pay (as generate() does)")
         with gr.Row(equal_height=True):
             with gr.Column():
                 gr.HTML("<b>Plain decoding</b>: one target pass per token")
@@ -106,7 +121,7 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
             steps_plot = gr.Plot(show_label=False, elem_id="steps-plot")
             tree_plot = gr.Plot(show_label=False, elem_id="tree-plot")
         mode.change(lambda m: gr.update(interactive=m == "tree"), mode, tree_budget, api_visibility="private")
-        controls = [prompt, max_new, temperature, mode, tree_budget, conf]
+        controls = [prompt, max_new, temperature, mode, tree_budget, conf, fallback]
         outputs = [plain_text, plain_stats, specla_text, specla_stats, summary, steps_plot, tree_plot]
         for event in (run.click, prompt.submit):
             # one model, one run at a time: the API endpoint below queues behind the same limit
@@ -116,7 +131,6 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
 
 
 def launch(models: Models, settings: DecodeSettings, host: str = "127.0.0.1", port: int = 7860) -> None:
-    warm_up(models, encode(models, "Hello"), settings)     # the first request's timings should not carry one-time costs
     build_app(models, settings).launch(server_name=host, server_port=port, ssr_mode=False, css=CSS)
 
 
@@ -124,51 +138,55 @@ def launch(models: Models, settings: DecodeSettings, host: str = "127.0.0.1", po
 # streaming
 # ------------------------------------------------------------------------------------------------------------------
 class _Collector(BaseStreamer):
-    """Keeps every chunk that generate() streams, prompt excepted."""
+    """Keeps every chunk that generate() streams, prompt excepted, and when the run started and ended."""
 
     def __init__(self):
         self.chunks: list[list[int]] = []
-        self.prompt_seen = False
+        self.started: float | None = None
+        self.ended: float | None = None
 
     def put(self, value) -> None:
-        if self.prompt_seen:
+        if self.started is None:            # generate() streams the prompt first
+            self.started = time.perf_counter()
+        else:
             self.chunks.append(value.flatten().tolist())
-        self.prompt_seen = True
 
     def end(self) -> None:
-        pass                       # the worker thread signals the end itself, also when generate() raises
+        self.ended = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return (self.ended or time.perf_counter()) - self.started
 
 
-def _stream(run_fn: Callable[..., Run], models: Models, ids, settings: DecodeSettings) \
-        -> Iterator[tuple[list[list[int]], Run | None]]:
-    """Run ``run_fn`` in a thread; every ``UPDATE_EVERY_S`` yield the chunks streamed so far, at the end all of them
-    with the Run. The caller polls rather than waking on each chunk: a consumer woken on every token of plain
-    decoding contends for the GIL with the decoding loop and slows it several-fold."""
-    collector, done, result = _Collector(), threading.Event(), {}
+def _in_background(work: Callable[[], Comparison]) -> Iterator[Comparison | None]:
+    """Run ``work`` in a thread; yield None every ``UPDATE_EVERY_S`` while it runs, then its result. The caller
+    polls rather than waking on each chunk: a consumer woken on every token of plain decoding contends for the GIL
+    with the decoding loop and slows it several-fold."""
+    done, result = threading.Event(), {}
 
-    def work():
+    def run():
         try:
-            result["run"] = run_fn(models, ids, settings, collector)
+            result["value"] = work()
         except Exception as e:     # re-raised in the caller's thread, where gradio reports it
             result["error"] = e
         finally:
             done.set()
 
-    threading.Thread(target=work, daemon=True).start()
+    threading.Thread(target=run, daemon=True).start()
     while not done.wait(UPDATE_EVERY_S):
-        yield list(collector.chunks), None
+        yield None
     if "error" in result:
         raise result["error"]
-    yield collector.chunks, result["run"]
+    yield result["value"]
 
 
-def _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold,
+def _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold, fallback,
               base: DecodeSettings) -> DecodeSettings:
-    s = DecodeSettings(int(max_new_tokens), float(temperature), bool(tree), int(tree_budget),
-                       float(confidence_threshold), base.draft_depth)
+    s = DecodeSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature), tree=bool(tree),
+                       fallback=bool(fallback), tree_budget=int(tree_budget),
+                       confidence_threshold=float(confidence_threshold), draft_depth=base.draft_depth)
     try:
-        s.generate_kwargs()
-        s.draft_options()
+        s.check()
     except ValueError as e:
         raise gr.Error(str(e)) from None
     return s
@@ -221,9 +239,11 @@ def _plain_html(text: str) -> str:
 def _specla_line(chunks: list[list[int]], seconds: float, run: Run | None, s: DecodeSettings) -> str:
     n, steps = sum(map(len, chunks)), len(chunks)
     line = (f"**{n / seconds if seconds else 0:.1f} tokens/s** · τ = {n / steps if steps else 0:.2f} tokens per "
-            f"verify step · {steps} steps · {n} tokens · {'tree' if s.tree else 'chain'} drafts")
+            f"step · {steps} steps · {n} tokens · {'tree' if s.tree else 'chain'} drafts")
     if run is not None:
         line += f" · draft {run.stats.draft_time:.2f}s, verify {run.stats.verify_time:.2f}s"
+        if run.stats.mode == "autoregressive":
+            line += f" · autoregressive after {run.stats.speculative_steps} speculative steps"
     return line
 
 
@@ -231,17 +251,23 @@ def _plain_line(n: int, seconds: float) -> str:
     return f"**{n / seconds if seconds else 0:.1f} tokens/s** · {n} tokens · one target pass per token"
 
 
-def _summary(spec: Run, plain: Run, s: DecodeSettings) -> str:
-    speedup = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else float("nan")
-    line = f"### SpecLA: {speedup:.2f}× the tokens/s of plain decoding, τ = {spec.stats.tau:.2f}"
+def _summary(result: Comparison, s: DecodeSettings, device: str) -> str:
+    speedup = result.speedup
+    pace = "slower than plain decoding" if speedup < 1 else "faster than plain decoding"
+    line = (f"### SpecLA ran at {speedup:.2f}× the tokens/s of plain decoding: {pace} on this {device}, "
+            f"τ = {result.specla.stats.tau:.2f}")
     if s.greedy:
-        line += (" — output identical to plain greedy decoding" if spec.tokens == plain.tokens else
+        line += (" — output identical to plain greedy decoding" if result.identical else
                  " — output DIFFERS from plain greedy decoding")
+    stats = result.specla.stats
+    if stats.mode_reason:           # with the fallback on: did speculation pay, or when did it stop, and why
+        line += f"\n\nSpecLA's mode: **{stats.mode}** ({stats.mode_reason})"
     return line
 
 
 def steps_figure(run: Run) -> Figure:
-    """Per verify step: accepted drafts and the bonus token, stacked, against the draft nodes verified."""
+    """Per target step: accepted drafts and the target's own token, stacked, against the draft nodes verified (none
+    for autoregressive steps after a fallback)."""
     stats = run.stats
     fig = Figure(figsize=(6.4, 3.2), layout="constrained")
     ax = fig.add_subplot()
@@ -249,11 +275,18 @@ def steps_figure(run: Run) -> Figure:
     ax.bar(steps, stats.draft_nodes, color="none", edgecolor="#999999", label="draft nodes verified")
     ax.bar(steps, stats.accepted, color=COLORS[DRAFT], label="accepted drafts")
     ax.bar(steps, [1] * stats.steps, bottom=stats.accepted, color=COLORS[BONUS], label="target's token")
-    ax.set_xlabel("verify step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("target step (a verify pass, or an autoregressive step after a fallback)")
     ax.set_ylabel("tokens")
-    ax.set_title(f"tokens per verify step (τ = {stats.tau:.2f})")
+    ax.set_title(f"tokens per target step (τ = {stats.tau:.2f})")
     ax.legend(loc="upper right", fontsize=8)
     return fig
+
+
+def _last_tree_figure(run: Run, chunks: list[list[int]], tokenizer) -> Figure:
+    """The last verified tree with what its step emitted: the speculative steps come first, one chunk each, and
+    autoregressive steps after a fallback verify no tree."""
+    return tree_figure(run.tree, chunks[run.stats.speculative_steps - 1], tokenizer)
 
 
 def accepted_path(tree: DraftTree, emitted: list[int]) -> tuple[list[int], int | None]:

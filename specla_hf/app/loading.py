@@ -5,6 +5,9 @@ The embedded default target is ``specla-gdn-tiny`` and its aligned drafter ``spe
 Without the aligned drafter, or for a target of the user's choosing without ``--drafter``, the drafter is the
 target's own first block ("layer-skip"): embeddings, block 1, final norm and LM head as a one-block GDN, which needs
 no training and always fits the target.
+
+A Hugging Face Hub id is looked up in the local Hub cache first, and only then on the Hub, after a quick check that
+the Hub answers: transformers retries an unreachable Hub for about half a minute before it gives up.
 """
 from __future__ import annotations
 
@@ -15,10 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from fla.models import GatedDeltaNetForCausalLM
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specla_hf.models.fla_gdn import check_gdn_model
 from specla_hf.generation import draft_options, make_drafter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +27,7 @@ DEFAULT_DRAFTER = "specla-gdn-tiny-drafter"
 LAYER_SKIP = "layer-skip"          # --drafter value that asks for the layer-skip drafter explicitly
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_TIMEOUT_S = 5.0                # how long the Hub may take to say whether it has a model
 
 
 class ModelError(Exception):
@@ -39,7 +40,7 @@ class Models:
     drafter: torch.nn.Module           # a GDN draft model or a specla_hf SpecLADrafter
     tokenizer: object                  # the target's tokenizer
     target_name: str
-    drafter_name: str                  # how the drafter came about, shown in stats lines and the demo
+    drafter_name: str                  # where the drafter came from and what kind it is, for stats lines and the demo
 
 
 def checkpoint_home() -> Path:
@@ -75,26 +76,33 @@ def load_models(target: str | None = None, drafter: str | None = None, device: s
     else:
         target_loc, target_name = _locate(target, "target"), target
 
+    # imported once the arguments are checked, not at the top: they take seconds. fla registers its model types
+    # with the Auto classes (and specla_hf gives them SpecLA's generate)
+    import fla.models  # noqa: F401
+    from transformers import AutoTokenizer
+
+    from specla_hf.models.fla_gdn import check_gdn_model
+
     target_model = _load(target_loc, "target", torch_dtype, dev)
     try:
         check_gdn_model(target_model)
     except (TypeError, NotImplementedError) as e:
         raise ModelError(f"target {target_name}: {e}") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target_loc)
+        tokenizer = AutoTokenizer.from_pretrained(target_loc.path, local_files_only=target_loc.local)
     except (OSError, ValueError) as e:
         raise ModelError(f"target {target_name} has no usable tokenizer: {_first_line(e)}") from None
 
     aligned = home / DEFAULT_DRAFTER
+    drafter_source = drafter
     if drafter is None and target is None and (aligned / "config.json").is_file():
-        drafter = str(aligned)
+        drafter, drafter_source = str(aligned), DEFAULT_DRAFTER
     if drafter is None or drafter == LAYER_SKIP:
         drafter_model = layer_skip_drafter(target_model)
-        drafter_name = f"layer-skip (target block 1 of {target_model.config.num_hidden_layers})"
+        drafter_name = f"layer-skip (the target's block 1 of {target_model.config.num_hidden_layers})"
     else:
         drafter_model = _load(_locate(drafter, "drafter"), "drafter", torch_dtype, dev)
-        kind = "aligned drafter" if getattr(drafter_model, "is_specla_drafter", False) else "GDN draft model"
-        drafter_name = f"{kind} {drafter}"
+        drafter_name = f"{drafter_source} ({drafter_kind(drafter_model)})"
     try:
         make_drafter(target_model, drafter_model, draft_options(tree=True))
     except (TypeError, ValueError, NotImplementedError) as e:
@@ -102,8 +110,20 @@ def load_models(target: str | None = None, drafter: str | None = None, device: s
     return Models(target_model, drafter_model, tokenizer, target_name, drafter_name)
 
 
+def drafter_kind(drafter: torch.nn.Module) -> str:
+    from specla_hf import SpecLADartDrafter, SpecLADrafter
+
+    if isinstance(drafter, SpecLADartDrafter):       # a subclass of SpecLADrafter: test it first
+        return "DART-style parallel drafter"
+    if isinstance(drafter, SpecLADrafter):
+        return "EAGLE-style aligned drafter"
+    return "GDN draft model"
+
+
 def layer_skip_drafter(target: torch.nn.Module) -> torch.nn.Module:
     """The target's embeddings, first block, final norm and LM head as a one-block GDN (weights shared, not copied)."""
+    from fla.models import GatedDeltaNetForCausalLM
+
     cfg = copy.deepcopy(target.config)
     cfg.num_hidden_layers = 1
     with torch.device("meta"):                     # no random init: every weight comes from the target
@@ -114,30 +134,65 @@ def layer_skip_drafter(target: torch.nn.Module) -> torch.nn.Module:
     return drafter.eval()
 
 
-def _locate(spec: str, role: str, default: bool = False) -> str:
-    """A local model folder, or a Hub id to hand to from_pretrained; ModelError for anything else."""
+@dataclass
+class _Location:
+    path: str                  # a local folder or a Hub id, for from_pretrained
+    local: bool                # load without the network: a folder, or a Hub id the local Hub cache holds
+
+
+def _locate(spec: str, role: str, default: bool = False) -> _Location:
+    """A local model folder, or a Hub id that the local Hub cache or the Hub itself can serve; ModelError for
+    anything else."""
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             hint = ("; train it (benchmarks/train_target.py), pass --target, or set SPECLA_HOME" if default
                     else "; pass the folder written by save_pretrained")
             raise ModelError(f"{role} {spec} has no model in it (no config.json){hint}")
-        return str(path)
+        return _Location(str(path), local=True)
     if path.exists():
         raise ModelError(f"{role} {spec} is a file; pass the model's folder")
-    if default or not _HUB_ID.match(spec):
+    # a name under an existing local folder ("checkpoints/typo") is a mistyped path, not a Hub id
+    if default or not _HUB_ID.match(spec) or (path.parent != Path(".") and path.parent.is_dir()):
         raise ModelError(f"{role} not found: {spec} (no such folder)")
-    return spec
+    return _Location(spec, local=_in_hub_cache(spec, role))
 
 
-def _load(location: str, role: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def _in_hub_cache(repo_id: str, role: str) -> bool:
+    """True when the local Hub cache holds ``repo_id``, False when the Hub has it to download; ModelError within
+    seconds when neither does (from_pretrained would retry an unreachable Hub for about half a minute)."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return True
+    if constants.is_offline_mode():
+        raise ModelError(f"{role} {repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: "
+                         f"download it first (hf download {repo_id}) or pass a local folder")
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype)
-    except OSError as e:
-        where = "" if Path(location).is_dir() else " (not a local folder, and the Hugging Face Hub lookup failed)"
-        raise ModelError(f"cannot load {role} {location}{where}: {_first_line(e)}") from None
-    except ValueError as e:               # e.g. an unknown model_type: AutoModel cannot build it
-        raise ModelError(f"cannot load {role} {location}: {_first_line(e)}") from None
+        model_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise ModelError(f"{role} {repo_id} is gated on the Hugging Face Hub: accept its terms on its Hub page, "
+                         "then log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"{role} {repo_id}: no such model on the Hugging Face Hub (a private one needs "
+                         "hf auth login)") from None
+    except HfHubHTTPError as e:
+        raise ModelError(f"{role} {repo_id}: the Hugging Face Hub answered {_first_line(e)}") from None
+    except Exception as e:      # refused, unresolved or timed out: the error type depends on the HTTP library
+        raise ModelError(f"cannot reach the Hugging Face Hub ({constants.ENDPOINT}) for {role} {repo_id} "
+                         f"({_first_line(e)}): pass a local folder, or download it where the Hub is reachable "
+                         f"(hf download {repo_id})") from None
+    return False
+
+
+def _load(location: _Location, role: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location.path, dtype=dtype, local_files_only=location.local)
+    except (OSError, ValueError) as e:       # ValueError: e.g. a model_type no installed library defines
+        raise ModelError(f"cannot load {role} {location.path}: {_first_line(e)}") from None
     return model.to(device).eval()
 
 
