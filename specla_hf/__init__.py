@@ -20,7 +20,7 @@ _PUBLIC = {
     "SpecLACache": "specla_hf.cache",
     "SpecLAStats": "specla_hf.loop.stats",
     "speculative_decode": "specla_hf.loop.decode",
-    "DraftOptions": "specla_hf.drafters.base",
+    "DraftOptions": "specla_hf.drafters.options",
     "DraftTree": "specla_hf.drafters.base",
     "DynamicTreeDrafter": "specla_hf.drafters.base",
     "GDNDrafter": "specla_hf.drafters.small_model",

@@ -24,17 +24,13 @@ import torch
 from transformers.generation import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from specla_hf.drafters.base import DraftOptions, DynamicTreeDrafter
+from specla_hf.drafters.base import DynamicTreeDrafter
+from specla_hf.drafters.options import CHAIN_DEFAULTS, TREE_DEFAULTS, DraftOptions
 from specla_hf.drafters.small_model import GDNDrafter
 from specla_hf.loop.decode import speculative_decode
 from specla_hf.loop.stats import SpecLAStats
 from specla_hf.models import adapter_class, adapter_for
 
-CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
-# a tree of budget + 1 nodes is verified in a power-of-two bucket: 63 drafts + the root fill the 64-node bucket. No
-# pruning by default: on the H200 at the 1.3B shape a verify pass costs about the same from 4 to 32 nodes, so pruning
-# loses more tau than it saves time (docs/results.md)
-TREE_DEFAULTS = DraftOptions(depth=8, topk=4, budget=63, threshold=0.0)
 AUTOREGRESSIVE_FALLBACK = True      # generate()'s default for ``autoregressive_fallback``
 
 

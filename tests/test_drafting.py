@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_gdn
-from specla_hf.drafters.base import DraftBuffers, DraftOptions, DraftTree
+from specla_hf.drafters.base import DraftBuffers, DraftTree
+from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.small_model import GDNDrafter
 from test_cuda_graphs import emulate_graphs
 

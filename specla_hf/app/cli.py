@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-from transformers.utils import logging as hf_logging
+# only what the parser needs: --help and bad flags are answered without importing torch
+from specla_hf.app.choices import DTYPE_NAMES, LAYER_SKIP, ModelError
+from specla_hf.drafters.options import CHAIN_DEFAULTS, MAX_TREE_BUDGET, TREE_DEFAULTS
 
-from specla_hf.app.loading import DTYPES, LAYER_SKIP, ModelError, Models, load_models
-from specla_hf.app.prompts import load_prompts
-from specla_hf.app.runs import MAX_TREE_BUDGET, Comparison, DecodeSettings, compare, encode
-from specla_hf.generation import CHAIN_DEFAULTS, TREE_DEFAULTS
+if TYPE_CHECKING:
+    from specla_hf.app.loading import Models
+    from specla_hf.app.runs import Comparison, DecodeSettings
 
 
 class UsageError(Exception):
@@ -34,7 +35,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    hf_logging.disable_progress_bar()          # weight-loading bars would interleave with the streamed text
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
@@ -78,7 +78,7 @@ def _add_model_and_decoding_arguments(parser: argparse.ArgumentParser, new_token
                                           "(default: the default target's aligned drafter specla-gdn-tiny-drafter "
                                           "when it is there, else layer-skip)")
     models.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    models.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+    models.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
                         help="auto: float32 on cpu, bfloat16 on cuda (default: auto)")
     dec = parser.add_argument_group("decoding")
     dec.add_argument("--max-new-tokens", type=POSITIVE_INT, default=new_tokens,
@@ -134,6 +134,8 @@ POSITIVE_INT = _bounded(int, lambda n: n >= 1, "at least 1")
 def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
+    from specla_hf.app.runs import compare
+
     settings = _settings(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     models = _load(args)
@@ -159,6 +161,9 @@ def stats_line(result: Comparison, settings: DecodeSettings, models: Models) -> 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from specla_hf.app.prompts import load_prompts
+    from specla_hf.app.runs import compare
+
     settings = _settings(args)
     try:
         prompts = load_prompts(args.prompts)[:args.limit]
@@ -216,6 +221,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 def _settings(args: argparse.Namespace) -> DecodeSettings:
     """The decoding settings, every value checked now, before seconds of model loading."""
+    from specla_hf.app.runs import DecodeSettings
+
     if args.do_sample and args.temperature == 0:
         raise UsageError("--do-sample with --temperature 0: 0 means greedy; pass a temperature above 0 or drop "
                          "--do-sample")
@@ -240,6 +247,12 @@ def _settings(args: argparse.Namespace) -> DecodeSettings:
 
 
 def _load(args: argparse.Namespace) -> Models:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from specla_hf.app.loading import load_models
+
+    hf_logging.disable_progress_bar()          # weight-loading bars would interleave with the streamed text
     if args.device == "cpu":
         # batch-1 decoding is thousands of tiny ops: one intra-op thread is fastest, and avoids the multi-second
         # stalls of threads spin-waiting on a busy machine (both decoders get the same setting)
@@ -248,6 +261,8 @@ def _load(args: argparse.Namespace) -> Models:
 
 
 def _encode(models: Models, prompt: str):
+    from specla_hf.app.runs import encode
+
     try:
         return encode(models, prompt)
     except ValueError as e:

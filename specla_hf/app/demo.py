@@ -25,9 +25,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from specla_hf.app.loading import Models
 from specla_hf.app.prompts import SHIPPED
-from specla_hf.app.runs import MAX_TREE_BUDGET, Comparison, DecodeSettings, Run, compare, encode
+from specla_hf.app.runs import Comparison, DecodeSettings, Run, compare, encode
 from specla_hf.drafters.base import DraftTree
-from specla_hf.generation import CHAIN_DEFAULTS, TREE_DEFAULTS
+from specla_hf.drafters.options import CHAIN_DEFAULTS, MAX_TREE_BUDGET, TREE_DEFAULTS
 
 DRAFT, BONUS = "draft", "bonus"
 COLORS = {DRAFT: "#a5dea8", BONUS: "#f9c98f"}

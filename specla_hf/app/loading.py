@@ -19,19 +19,15 @@ from pathlib import Path
 
 import torch
 
+from specla_hf.app.choices import DTYPE_NAMES, LAYER_SKIP, ModelError
 from specla_hf.generation import draft_options, make_drafter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = "specla-gdn-tiny"
 DEFAULT_DRAFTER = "specla-gdn-tiny-drafter"
-LAYER_SKIP = "layer-skip"          # --drafter value that asks for the layer-skip drafter explicitly
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 HUB_TIMEOUT_S = 5.0                # how long the Hub may take to say whether it has a model
-
-
-class ModelError(Exception):
-    """A model cannot be loaded, or does not fit the target; the message is one line meant for the user."""
 
 
 @dataclass

@@ -11,15 +11,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specla_hf.drafters.base import DraftOptions, DraftTree
+from specla_hf.drafters.base import DraftTree
 from specla_hf.generation import draft_options, make_drafter
 from specla_hf.loop.stats import SpecLAStats
-from specla_hf.models.graphed import MAX_TREE_BUCKET
+from specla_hf.drafters.options import MAX_TREE_BUDGET, DraftOptions
 
 if TYPE_CHECKING:
     from specla_hf.app.loading import Models
 
-MAX_TREE_BUDGET = MAX_TREE_BUCKET - 1     # one verify pass takes the root and at most this many draft nodes
 WARM_UP_TOKENS = 4
 
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specla_hf.models.graphed import MAX_TREE_BUCKET, tree_bucket
+from specla_hf.drafters.options import DraftOptions
+from specla_hf.models.graphed import tree_bucket
 from specla_hf.runtime.transfer import HostCopy, copy_in
 from specla_kernels import ops
 
@@ -55,30 +56,6 @@ class DraftTree:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
-
-
-@dataclass
-class DraftOptions:
-    """How drafts are shaped. ``topk == 1`` gives a chain of up to ``depth`` tokens."""
-    depth: int = 8                        # max draft depth
-    topk: int = 1                         # children per expanded node, and nodes expanded per depth
-    budget: int = 8                       # max draft nodes submitted (root excluded)
-    threshold: float = 0.0                # cumulative-confidence floor for submitted nodes (0 = no pruning)
-    adaptive: bool = True                 # recalibrate the threshold and depth from observed acceptance
-
-    def __post_init__(self):
-        for name, value in (("draft_depth", self.depth), ("tree_topk", self.topk), ("tree_budget", self.budget)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.budget >= MAX_TREE_BUCKET:
-            raise ValueError(f"tree_budget={self.budget}: a verify pass takes at most {MAX_TREE_BUCKET} nodes, the "
-                             f"root included; pass at most {MAX_TREE_BUCKET - 1}")
-        if not 0.0 <= self.threshold < 1.0:
-            raise ValueError(f"confidence_threshold must be in [0, 1), got {self.threshold}")
-        if 1 + self.topk * self.depth > MAX_TREE_BUCKET:
-            raise ValueError(f"a draft tree of depth {self.depth} expanding {self.topk} nodes per depth holds "
-                             f"{1 + self.topk * self.depth} nodes; the drafter verifies at most {MAX_TREE_BUCKET} "
-                             "in one pass: lower draft_depth or tree_topk")
 
 
 class DraftBuffers:

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn as nn
 
-from specla_hf.drafters.base import DraftOptions
+from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleBuffers, EagleDrafter, SpecLADrafter, SpecLADrafterConfig
 from specla_hf.drafters.ngram import bigram_logp
 from specla_kernels import ops

@@ -34,7 +34,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from fla.models import GatedDeltaNetConfig
 from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
-from specla_hf.drafters.base import DraftBuffers, DraftOptions, DynamicTreeDrafter
+from specla_hf.drafters.base import DraftBuffers, DynamicTreeDrafter
+from specla_hf.drafters.options import DraftOptions
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, ForwardGraphs
 from specla_hf.runtime.transfer import copy_in, to_device
 from specla_hf.models.base import RunnerOutput

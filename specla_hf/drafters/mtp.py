@@ -39,7 +39,8 @@ from transformers.modeling_layers import MtpLayer
 
 from specla_hf.cache import SpecLAAttentionLayer, SpecLACache
 from specla_hf.drafters import mtp_checkpoint
-from specla_hf.drafters.base import DraftOptions, DynamicTreeDrafter
+from specla_hf.drafters.base import DynamicTreeDrafter
+from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.qwen3_5 import MASKED_ATTENTION, text_decoder

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specla_hf.drafters.base import DraftOptions, DynamicTreeDrafter
+from specla_hf.drafters.base import DynamicTreeDrafter
+from specla_hf.drafters.options import DraftOptions
 from specla_hf.models import adapter_for
 
 

@@ -32,8 +32,9 @@ from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.graphed import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, MAX_TREE_BUCKET, ForwardGraphs,
-                                      batch_size, num_tokens, pad_tokens, tree_bucket)
+from specla_hf.drafters.options import MAX_TREE_BUCKET
+from specla_hf.models.graphed import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, ForwardGraphs, batch_size,
+                                      num_tokens, pad_tokens, tree_bucket)
 from specla_hf.runtime.transfer import to_device
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from specla_hf.drafters.options import MAX_TREE_BUCKET
 from specla_hf.runtime.graphs import GraphSet, StaticCall
 from specla_hf.runtime.transfer import copy_in
 
 MAX_SEQ_TOKENS = 4
 DRAFT_SEQ_TOKENS = 16   # a drafter catching up after a step consumes up to draft depth + 1 tokens: graph those too
-MAX_TREE_BUCKET = 128
 CHAIN_CHUNK = 64        # longer inputs (prompts) are consumed as chains of this many nodes on the graphed tree path
 
 

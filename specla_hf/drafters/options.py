@@ -1,0 +1,39 @@
+"""How drafts are shaped (``DraftOptions``) and generate()'s defaults: plain data, importable without torch (the
+CLI's ``--help`` reads them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TREE_BUCKET = 128      # nodes one verify pass takes, the root included (CUDA-graph buckets and kernels)
+MAX_TREE_BUDGET = MAX_TREE_BUCKET - 1      # draft nodes one verify pass takes besides the root
+
+
+@dataclass
+class DraftOptions:
+    """How drafts are shaped. ``topk == 1`` gives a chain of up to ``depth`` tokens."""
+    depth: int = 8                        # max draft depth
+    topk: int = 1                         # children per expanded node, and nodes expanded per depth
+    budget: int = 8                       # max draft nodes submitted (root excluded)
+    threshold: float = 0.0                # cumulative-confidence floor for submitted nodes (0 = no pruning)
+    adaptive: bool = True                 # recalibrate the threshold and depth from observed acceptance
+
+    def __post_init__(self):
+        for name, value in (("draft_depth", self.depth), ("tree_topk", self.topk), ("tree_budget", self.budget)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.budget > MAX_TREE_BUDGET:
+            raise ValueError(f"tree_budget={self.budget}: a verify pass takes at most {MAX_TREE_BUCKET} nodes, the "
+                             f"root included; pass at most {MAX_TREE_BUDGET}")
+        if not 0.0 <= self.threshold < 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1), got {self.threshold}")
+        if 1 + self.topk * self.depth > MAX_TREE_BUCKET:
+            raise ValueError(f"a draft tree of depth {self.depth} expanding {self.topk} nodes per depth holds "
+                             f"{1 + self.topk * self.depth} nodes; the drafter verifies at most {MAX_TREE_BUCKET} "
+                             "in one pass: lower draft_depth or tree_topk")
+
+
+CHAIN_DEFAULTS = DraftOptions(depth=6, topk=1, budget=6, threshold=0.02)
+# a tree of budget + 1 nodes is verified in a power-of-two bucket: 63 drafts + the root fill the 64-node bucket. No
+# pruning by default: on the H200 at the 1.3B shape a verify pass costs about the same from 4 to 32 nodes, so pruning
+# loses more tau than it saves time (docs/results.md)
+TREE_DEFAULTS = DraftOptions(depth=8, topk=4, budget=63, threshold=0.0)
