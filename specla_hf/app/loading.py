@@ -1,10 +1,11 @@
 """Which target and drafter the CLI and the demo run, and loading them with one-line errors.
 
-The embedded default target is ``specla-gdn-tiny`` and its aligned drafter ``specla-gdn-tiny-drafter``, both under
-``$SPECLA_HOME`` (default: the ``checkpoints/`` folder of this repository, which an editable install points into).
-Without the aligned drafter, or for a target of the user's choosing without ``--drafter``, the drafter is the
-target's own first block ("layer-skip"): embeddings, block 1, final norm and LM head as a one-block GDN, which needs
-no training and always fits the target.
+The embedded models live under ``$SPECLA_HOME`` (default: the ``checkpoints/`` folder of this repository, which an
+editable install points into) and are named by their folder: the default target ``specla-gdn-tiny`` (fla GDN) and
+``specla-qwen35-tiny`` (a Qwen3.5 hybrid), each with its aligned drafter ``<name>-drafter`` beside it, which is the
+default drafter for it. For a target of the user's choosing without ``--drafter``, or without the aligned drafter,
+the drafter is the target's own first block ("layer-skip"): embeddings, block 1, final norm and LM head as a
+one-block model, which needs no training and always fits the target.
 
 A Hugging Face Hub id is looked up in the local Hub cache first, and only then on the Hub, after a quick check that
 the Hub answers: transformers retries an unreachable Hub for about half a minute before it gives up.
@@ -24,7 +25,7 @@ from specla_hf.generation import draft_options, make_drafter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = "specla-gdn-tiny"
-DEFAULT_DRAFTER = "specla-gdn-tiny-drafter"
+DEFAULT_DRAFTER = f"{DEFAULT_TARGET}-drafter"
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 HUB_TIMEOUT_S = 5.0                # how long the Hub may take to say whether it has a model
@@ -67,21 +68,24 @@ def load_models(target: str | None = None, drafter: str | None = None, device: s
     dev = resolve_device(device)
     torch_dtype = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     home = checkpoint_home()
-    if target is None:
-        target_loc, target_name = _locate(str(home / DEFAULT_TARGET), "default target", default=True), DEFAULT_TARGET
+    embedded = target is None or (home / target / "config.json").is_file()    # a name of a model under ``home``
+    target_name = DEFAULT_TARGET if target is None else target
+    if embedded:
+        target_loc = _locate(str(home / target_name), "default target" if target is None else "target",
+                             default=target is None)
     else:
-        target_loc, target_name = _locate(target, "target"), target
+        target_loc = _locate(target, "target")
 
     # imported once the arguments are checked, not at the top: they take seconds. fla registers its model types
     # with the Auto classes (and specla_hf gives them SpecLA's generate)
-    import fla.models  # noqa: F401
+    import fla.models  # noqa: F401  (imported for what it registers)
     from transformers import AutoTokenizer
 
-    from specla_hf.models.fla_gdn import check_gdn_model
+    from specla_hf.models import adapter_for
 
     target_model = _load(target_loc, "target", torch_dtype, dev)
     try:
-        check_gdn_model(target_model)
+        adapter_for(target_model)              # a model family SpecLA drives, in a configuration it supports
     except (TypeError, NotImplementedError) as e:
         raise ModelError(f"target {target_name}: {e}") from None
     try:
@@ -89,10 +93,11 @@ def load_models(target: str | None = None, drafter: str | None = None, device: s
     except (OSError, ValueError) as e:
         raise ModelError(f"target {target_name} has no usable tokenizer: {_first_line(e)}") from None
 
-    aligned = home / DEFAULT_DRAFTER
+    # an embedded target's aligned drafter, when it is there, is ``<target>-drafter`` beside it
+    aligned_name = f"{target_name}-drafter"
     drafter_source = drafter
-    if drafter is None and target is None and (aligned / "config.json").is_file():
-        drafter, drafter_source = str(aligned), DEFAULT_DRAFTER
+    if drafter is None and embedded and (home / aligned_name / "config.json").is_file():
+        drafter, drafter_source = str(home / aligned_name), aligned_name
     if drafter is None or drafter == LAYER_SKIP:
         drafter_model = layer_skip_drafter(target_model)
         drafter_name = f"layer-skip (the target's block 1 of {target_model.config.num_hidden_layers})"
