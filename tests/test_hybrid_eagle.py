@@ -1,6 +1,7 @@
 """Drafters for transformers' GDN hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the EAGLE-style SpecLADrafter (config
 from the hybrid's GDN fields, decode-time features equal to training's, lossless greedy decoding, the CPU smoke
-training)."""
+training) and the layer-skip drafter."""
+import copy
 import json
 import lzma
 
@@ -13,6 +14,7 @@ from hybrid_models import FAMILIES, tiny_hybrid, tiny_qwen3_5_vl
 # a small vocabulary, so that even random drafters get some drafts accepted
 VOCAB = 16
 from specla_hf import DraftOptions, SpecLADrafter, SpecLADrafterConfig
+from specla_hf.app.loading import layer_skip_drafter
 from specla_hf.models.qwen3_5 import HybridRunner, text_decoder
 
 
@@ -138,3 +140,26 @@ def test_cpu_smoke_training_for_a_hybrid_target(tmp_path):
     for tree in (False, True):
         spec = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, tree=tree)
         assert torch.equal(spec, plain)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_vl"])
+def test_layer_skip_drafter_of_a_hybrid(family):
+    """The target's first block (a GDN layer) as a one-layer model of its class: the truncated target's logits,
+    weights and rotary buffers shared with the target, and lossless drafting, chain and tree."""
+    target = tiny_qwen3_5_vl() if family == "qwen3_5_vl" else tiny_hybrid(family)
+    drafter = layer_skip_drafter(target)
+    assert type(drafter) is type(target)
+    assert text_decoder(drafter).config.layer_types == ["linear_attention"]
+    assert drafter.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    assert text_decoder(drafter).rotary_emb.inv_freq.data_ptr() == text_decoder(target).rotary_emb.inv_freq.data_ptr()
+    truncated = copy.deepcopy(target)
+    text_decoder(truncated).layers = text_decoder(truncated).layers[:1]
+    text_decoder(truncated).config.num_hidden_layers = 1
+    ids = torch.randint(0, VOCAB - 4, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # use_cache=False: the stock forward cannot size a cache of GDN layers only (no attention layer to ask)
+        torch.testing.assert_close(drafter(ids, use_cache=False).logits, truncated(ids, use_cache=False).logits)
+    plain = target.generate(ids, max_new_tokens=20, do_sample=False)
+    for tree in (False, True):
+        assert torch.equal(target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                                           tree=tree), plain)
