@@ -122,16 +122,27 @@ def drafter_kind(drafter: torch.nn.Module) -> str:
 
 
 def layer_skip_drafter(target: torch.nn.Module) -> torch.nn.Module:
-    """The target's embeddings, first block, final norm and LM head as a one-block GDN (weights shared, not copied)."""
-    from fla.models import GatedDeltaNetForCausalLM
+    """The target's embeddings, first block, final norm and LM head as a one-block model of the target's class (an
+    fla GDN, or a hybrid whose first block is a GDN layer), weights and buffers shared, not copied."""
+    from specla_hf.models.qwen3_5 import text_decoder
 
     cfg = copy.deepcopy(target.config)
-    cfg.num_hidden_layers = 1
+    text = cfg.get_text_config()          # a vision-language hybrid keeps its decoder's shape in its text config
+    text.num_hidden_layers = 1
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:1]
     with torch.device("meta"):                     # no random init: every weight comes from the target
-        drafter = GatedDeltaNetForCausalLM(cfg)
-    keep = {k: v for k, v in target.state_dict().items()
-            if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+        drafter = type(target)(cfg)
+    # the decoder's blocks past the first are dropped (a vision tower's blocks are other modules)
+    names = {module: name for name, module in target.named_modules()}
+    blocks = names[text_decoder(target).layers] + "."
+    keep = {k: v for k, v in target.state_dict().items() if not k.startswith(blocks) or k.startswith(blocks + "0.")}
     drafter.load_state_dict(keep, strict=True, assign=True)
+    # buffers left out of the state dict (a rotary embedding's inverse frequencies) are still on the meta device
+    for name, buffer in drafter.named_buffers():
+        if buffer.is_meta:
+            module, _, attr = name.rpartition(".")
+            setattr(drafter.get_submodule(module), attr, target.get_buffer(name))
     return drafter.eval()
 
 

@@ -1,5 +1,9 @@
 """A target-aligned EAGLE-style drafter for GDN targets: one GDN decoder layer on the target's own features.
 
+Targets: fla's ``GatedDeltaNetForCausalLM`` and transformers' GDN hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, driven
+by ``specla_hf.models.qwen3_5.HybridRunner``). The drafter's block is one fla GDN block in either case, as wide as the
+target's hidden size, with the target's GDN head shapes (a hybrid's ``linear_*`` fields).
+
 Architecture (``SpecLADrafter``): for draft position ``t``
 
     g_t = fc([rms(f_t^low) ; rms(f_t^mid) ; rms(f_t^top)])          EAGLE-3 fusion of three target layers
@@ -13,10 +17,11 @@ tree root) sits at drafter position ``L-2``, whose feature ``f_{L-2}`` the targe
 the target's features are unknown and the drafter feeds its own output ``h`` in place of ``g`` (EAGLE), which it is
 trained for by a two-pass "training-time test" (``specla_hf.training.train_drafter``).
 
-Feature layers use ``GDNRunner``'s numbering: ``0`` = embeddings, ``i`` = after block ``i``. Hugging Face's
-``output_hidden_states`` tuple agrees for ``i < L`` (its entry ``i`` is the input of block ``i``), but its last entry is
-the top block's output *after the final norm*, while ``GDNRunner`` returns it before. The drafter is defined on HF's
-version: at decode time ``EagleDrafter.add_features`` applies the target's final norm to feature layer ``L``.
+Feature layers use the adapters' numbering (``GDNRunner``, ``HybridRunner``): ``0`` = embeddings, ``i`` = after block
+``i``. Hugging Face's ``output_hidden_states`` tuple agrees for ``i < L`` (its entry ``i`` is the input of block ``i``),
+for fla's model as for the hybrids, but its last entry is the top block's output *after the final norm*, while the
+adapters return it before. The drafter is defined on HF's version: at decode time ``EagleDrafter.add_features``
+applies the target's final norm to feature layer ``L``.
 
 Why a GDN layer rather than attention: it is driven by the same tree verification, compact factors and commit as
 the target (``SpecLACache``, ``specla_kernels.ops``), so a whole draft tree is scored per depth in one pass, and
@@ -40,11 +45,25 @@ from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, ForwardGraphs
 from specla_hf.runtime.transfer import copy_in, to_device
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.fla_gdn import GDNRunner
+from specla_hf.models.qwen3_5 import text_decoder
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """Low, middle and top layers (EAGLE-3), in ``GDNRunner`` numbering; strictly increasing."""
+    """Low, middle and top layers (EAGLE-3), in the adapters' numbering; strictly increasing."""
     return tuple(sorted({num_layers // 4, num_layers // 2, num_layers}))
+
+
+def target_gdn_shape(t: PretrainedConfig) -> dict:
+    """The GDN head shapes of a target's (text) config in fla ``GatedDeltaNetConfig`` names: fla's own fields, or a
+    hybrid's ``linear_*`` fields (whose GDN layers always have a short conv and an output gate, and beta in (0, 1))."""
+    if hasattr(t, "linear_num_key_heads"):
+        return dict(num_heads=t.linear_num_key_heads, head_dim=t.linear_key_head_dim,
+                    num_v_heads=t.linear_num_value_heads, expand_v=t.linear_value_head_dim / t.linear_key_head_dim,
+                    conv_size=t.linear_conv_kernel_dim, use_short_conv=True, use_gate=True, allow_neg_eigval=False,
+                    norm_eps=t.rms_norm_eps)
+    return dict(num_heads=t.num_heads, head_dim=t.head_dim, num_v_heads=t.num_v_heads, expand_v=t.expand_v,
+                conv_size=t.conv_size, use_short_conv=t.use_short_conv, use_gate=t.use_gate,
+                allow_neg_eigval=t.allow_neg_eigval, norm_eps=t.norm_eps)
 
 
 class SpecLADrafterConfig(PretrainedConfig):
@@ -52,6 +71,8 @@ class SpecLADrafterConfig(PretrainedConfig):
 
     ``hidden_size`` and ``vocab_size`` are the target's: the drafter runs in the target's hidden space and reuses its
     embedding and LM head. The remaining fields shape the drafter's one GDN block (fla ``GatedDeltaNetConfig`` names).
+    For a vision-language target the target fields are its text decoder's (``target_model_type`` e.g.
+    ``"qwen3_5_text"``): the drafter reads only the text decoder.
     """
 
     model_type = "specla_drafter"
@@ -90,12 +111,10 @@ class SpecLADrafterConfig(PretrainedConfig):
     @classmethod
     def for_target(cls, target_config: PretrainedConfig, feature_layers: Sequence[int] | None = None,
                    **block_overrides) -> SpecLADrafterConfig:
-        """A drafter config fitted to ``target_config``; the GDN block copies the target's head shapes."""
-        t = target_config
-        block = dict(num_heads=t.num_heads, head_dim=t.head_dim, num_v_heads=t.num_v_heads, expand_v=t.expand_v,
-                     conv_size=t.conv_size, use_short_conv=t.use_short_conv, use_gate=t.use_gate,
-                     allow_neg_eigval=t.allow_neg_eigval, norm_eps=t.norm_eps)
-        block.update(block_overrides)
+        """A drafter config fitted to ``target_config`` (fla GDN or a GDN hybrid); the GDN block copies the target's
+        GDN head shapes (``target_gdn_shape``)."""
+        t = target_config.get_text_config()
+        block = {**target_gdn_shape(t), **block_overrides}
         return cls(hidden_size=t.hidden_size, vocab_size=t.vocab_size, target_model_type=t.model_type,
                    target_num_hidden_layers=t.num_hidden_layers, feature_layers=feature_layers,
                    pad_token_id=t.pad_token_id, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, **block)
@@ -141,7 +160,7 @@ class SpecLADrafter(PreTrainedModel):
 
     def target_features(self, hidden_states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The feature layers out of a target forward's ``output_hidden_states`` tuple: its entry ``i < L`` is
-        ``GDNRunner`` layer ``i``, its last entry layer ``L`` after the target's final norm (module docstring)."""
+        the adapters' layer ``i``, its last entry layer ``L`` after the target's final norm (module docstring)."""
         return [hidden_states[i] for i in self.config.feature_layers]
 
     def block_input(self, fused: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
@@ -157,7 +176,7 @@ class SpecLADrafter(PreTrainedModel):
     # ---- fitting a target ----
     def check_target(self, target) -> None:
         """Raise ``ValueError`` naming every way ``target`` differs from the model this drafter was trained for."""
-        cfg, t = self.config, target.config
+        cfg, t = self.config, target.config.get_text_config()
         problems = []
         if t.model_type != cfg.target_model_type:
             problems.append(f"model type: drafter trained for {cfg.target_model_type!r}, target is {t.model_type!r}")
@@ -237,7 +256,8 @@ class EagleBuffers(DraftBuffers):
 
 
 class EagleDrafter(DynamicTreeDrafter):
-    """Dynamic-tree drafting with a ``SpecLADrafter`` beside a GDN target (alignment in the module docstring).
+    """Dynamic-tree drafting with a ``SpecLADrafter`` beside a GDN or hybrid target (alignment in the module
+    docstring).
 
     The drafter's committed state has consumed drafter positions ``< consumed``, always with the target's true
     features. ``start`` catches up with buffered features in sequence mode, the root included (its feature is the
@@ -250,7 +270,7 @@ class EagleDrafter(DynamicTreeDrafter):
     def __init__(self, drafter: SpecLADrafter, target, options: DraftOptions):
         super().__init__(options)
         self._bind(drafter, _BlockRunner.for_drafter(drafter, target), tuple(drafter.config.feature_layers),
-                   target.config.num_hidden_layers, target.model.norm)
+                   target.config.get_text_config().num_hidden_layers, text_decoder(target).norm)
 
     def _bind(self, drafter, runner, feature_layers: tuple[int, ...], top: int, target_norm) -> None:
         """The drafter's weights (``fuse``, hidden size, device, dtype) and adapter (``runner``), and the target
@@ -279,7 +299,7 @@ class EagleDrafter(DynamicTreeDrafter):
         self.features = torch.cat([self.features, fused], 1)
 
     def _fuse(self, features: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        # GDNRunner gives the top layer before the target's final norm, HF's hidden_states (training) after it
+        # the adapters give the top layer before the target's final norm, HF's hidden_states (training) after it
         feats = [self.target_norm(f) if layer == self.top else f for layer, f in zip(self.feature_layers, features)]
         return self.drafter.fuse(feats)
 

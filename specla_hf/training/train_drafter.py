@@ -2,12 +2,16 @@
 
     specla-train-drafter --target checkpoints/specla-gdn-tiny --corpus corpus/ --out runs/drafter --minutes 6
     specla-train-drafter --cpu-smoke --corpus some.jsonl --out /tmp/smoke      # tiny random target, ~1 min on CPU
+    specla-train-drafter --cpu-smoke --family qwen3_5 --corpus some.jsonl --out /tmp/smoke   # a random hybrid
+
+Targets: fla's ``GatedDeltaNetForCausalLM`` and transformers' GDN hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next; any
+checkpoint ``AutoModelForCausalLM`` loads and ``specla_hf.models.adapter_for`` drives).
 
 1. Prompts: random windows of ``--prefix-len`` tokens from the corpus (JSON lines with a "text" field, .jsonl or
    .jsonl.xz; a folder means its ``*.jsonl*`` files, ``valid*`` held out for evaluation).
-2. The target continues each prompt for ``--gen-len`` tokens (``--gen-temperature``; 0 = greedy), batched on fla's
-   cache: the drafter learns from the target's own text, not the corpus'.
-3. Each step runs the target (the stock fla forward with ``output_hidden_states``: Triton on the GPU) for features and
+2. The target continues each prompt for ``--gen-len`` tokens (``--gen-temperature``; 0 = greedy), batched on the
+   model's own cache: the drafter learns from the target's own text, not the corpus'.
+3. Each step runs the target (its stock forward with ``output_hidden_states``: Triton on the GPU) for features and
    soft labels, then the drafter twice (EAGLE-3's "training-time test"): pass 1 with the target's fused features,
    pass 2 with pass 1's outputs shifted in as features, as deeper draft nodes see them. Loss on both passes:
    cross-entropy against the target's distribution (= KL + its entropy) plus ``--hard-weight`` x cross-entropy
@@ -25,9 +29,10 @@ Stages: ``--steps 0`` only writes the sequences (into the checkpoint); ``--seque
 more such runs instead of writing new ones (the target's text written on a CPU, trained on a GPU), and
 ``--init-from`` starts from a trained drafter rather than a fresh one.
 
-Hugging Face's ``hidden_states[i]`` is the input of block ``i`` (= ``GDNRunner`` layer ``i``) for ``i < L``; its last
-entry is the top block's output after the final norm, which ``EagleDrafter`` reproduces at decode time by applying
-the target's norm to ``GDNRunner`` layer ``L`` (see ``specla_hf.drafters.eagle``).
+Hugging Face's ``hidden_states[i]`` is the input of block ``i`` (= the adapter's layer ``i``, ``GDNRunner`` and
+``HybridRunner`` alike) for ``i < L``; its last entry is the top block's output after the final norm, which
+``EagleDrafter`` reproduces at decode time by applying the target's norm to the adapter's layer ``L`` (see
+``specla_hf.drafters.eagle``).
 
 On the GPU the drafter's gated delta rule runs through ``specla_kernels.chunk`` (``use_backend(delta_rule="torch")``):
 fla's chunk backward is refused on Hopper with Triton 3.6. The target's forward (no gradient) stays on fla's kernels.
@@ -48,15 +53,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import (AutoModelForCausalLM, LogitsProcessorList, MaxLengthCriteria, PreTrainedTokenizerFast,
-                          StoppingCriteriaList)
+from transformers import (AutoModelForCausalLM, LogitsProcessorList, MaxLengthCriteria, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig, StoppingCriteriaList)
 
 from specla_hf.models.fla_backend import use_backend
 from specla_hf.loop.decode import speculative_decode
 from specla_hf.drafters.dart import SpecLADartConfig, SpecLADartDrafter
 from specla_hf.drafters.eagle import SpecLADrafter, SpecLADrafterConfig
 from specla_hf.drafters.ngram import bigram_table
-from specla_hf.models.fla_gdn import GDNRunner
+from specla_hf.models import adapter_for
 from specla_hf.generation import draft_options
 
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
@@ -128,9 +133,9 @@ def sample_windows(texts: list[str], tokenizer: PreTrainedTokenizerFast, n: int,
 
 
 @torch.no_grad()
-def continue_text(target: GatedDeltaNetForCausalLM, prompts: torch.Tensor, new_tokens: int, temperature: float,
+def continue_text(target: PreTrainedModel, prompts: torch.Tensor, new_tokens: int, temperature: float,
                   generator: torch.Generator | None) -> torch.Tensor:
-    """The target's own continuations ``[B, P + new_tokens]`` (greedy at temperature 0), on fla's recurrent cache;
+    """The target's own continuations ``[B, P + new_tokens]`` (greedy at temperature 0), on the model's own cache;
     no EOS handling: every row gets ``new_tokens`` tokens, each predicted by the target from the row so far."""
     out = target(input_ids=prompts, use_cache=True)
     cache, logits, rows = out.past_key_values, out.logits[:, -1], [prompts]
@@ -148,14 +153,14 @@ def continue_text(target: GatedDeltaNetForCausalLM, prompts: torch.Tensor, new_t
 # ----------------------------------------------------------------------------------------------------------------
 # the loss
 # ----------------------------------------------------------------------------------------------------------------
-def target_signals(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: torch.Tensor, amp) -> dict:
+def target_signals(drafter: SpecLADrafter, target: PreTrainedModel, x: torch.Tensor, amp) -> dict:
     """The target's side of a training step on token rows ``x [B, T]``, for drafter positions ``0..T-2``: the
     feature layers and the embeddings of tokens ``1..T-1`` the drafter reads, and its labels, the target's
     distribution at positions ``1..T-1`` (log-probs, probs, greedy token, entropy)."""
-    # the stock fla forward, no gradient: on CUDA under no_grad, in the fused_recurrent mode main() sets (the kernel
-    # the target's generation compiled and autotuned already; fla's chunk kernels would autotune for ~2 minutes on a
-    # cold machine); on the CPU in grad mode with nothing requiring grad, so the backend takes its chunked delta rule
-    # rather than a token-by-token loop
+    # the stock forward, no gradient. fla's: on CUDA under no_grad, in the fused_recurrent mode main() sets (the
+    # kernel the target's generation compiled and autotuned already; fla's chunk kernels would autotune for ~2 minutes
+    # on a cold machine); on the CPU in grad mode with nothing requiring grad, so the backend takes its chunked delta
+    # rule rather than a token-by-token loop (a hybrid's forward chunks whatever the grad mode)
     with torch.set_grad_enabled(x.device.type != "cuda"), amp:
         out = target(input_ids=x, output_hidden_states=True, use_cache=False)
         features = [f[:, :-1] for f in drafter.target_features(out.hidden_states)]
@@ -176,7 +181,7 @@ def _label_loss(logq: torch.Tensor, sig: dict, rows: slice, hard_weight: float) 
     return soft.mean() + hard_weight * hard, kl, (logq.argmax(-1) == greedy).float().mean().detach()
 
 
-def drafter_loss(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: torch.Tensor, hard_weight: float,
+def drafter_loss(drafter: SpecLADrafter, target: PreTrainedModel, x: torch.Tensor, hard_weight: float,
                  amp) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Two-pass (training-time test) loss on token rows ``x [B, T]`` (module docstring, step 3).
 
@@ -202,7 +207,7 @@ def drafter_loss(drafter: SpecLADrafter, target: GatedDeltaNetForCausalLM, x: to
     return total, metrics
 
 
-def dart_loss(drafter: SpecLADartDrafter, target: GatedDeltaNetForCausalLM, x: torch.Tensor, hard_weight: float,
+def dart_loss(drafter: SpecLADartDrafter, target: PreTrainedModel, x: torch.Tensor, hard_weight: float,
               amp, branches: int, rng: random.Random) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DART drafter's loss on token rows ``x [B, T]`` (``specla_hf.drafters.dart``): sequence-mode passes over drafter
     positions ``0..t`` followed by the mask slots, at ``branches`` branch points ``t`` (the last possible one and
@@ -263,13 +268,13 @@ def dart_from_eagle(eagle: SpecLADrafter, **dart) -> SpecLADartDrafter:
 # evaluation: real speculative decoding
 # ----------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate_tau(target: GatedDeltaNetForCausalLM, drafter: SpecLADrafter, prompts: torch.Tensor, new_tokens: int,
+def evaluate_tau(target: PreTrainedModel, drafter: SpecLADrafter, prompts: torch.Tensor, new_tokens: int,
                  drafting: dict, time_limit_s: float = float("inf")) -> dict:
     """Greedy speculative decoding of every prompt (until ``time_limit_s``): tau, tree statistics, and the fraction
     of emitted tokens identical to plain greedy decoding (1.0 unless the decoding path is broken: a wrong verify
     can inflate tau)."""
     d = copy.deepcopy(drafter).to(target.dtype).eval()
-    runner = GDNRunner.for_model(target)
+    runner = adapter_for(target)
     options = draft_options(**drafting)
     steps = accepted = nodes = done = same = 0
     draft_s = verify_s = 0.0
@@ -310,21 +315,35 @@ def lr_at(step: int, progress: float, peak: float, warmup: int, min_ratio: float
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def smoke_target(vocab_size: int, seed: int) -> GatedDeltaNetForCausalLM:
-    """A tiny random target whose next-token distributions are peaked enough to be worth learning."""
+SMOKE_FAMILIES = ("gated_deltanet", "qwen3_5")
+
+
+def smoke_target(vocab_size: int, seed: int, family: str = "gated_deltanet") -> PreTrainedModel:
+    """A tiny random target of ``family`` (``SMOKE_FAMILIES``: fla's GDN, or a Qwen3.5 hybrid of 3 GDN layers and a
+    full-attention layer) whose next-token distributions are peaked enough to be worth learning."""
     torch.manual_seed(seed)
-    cfg = GatedDeltaNetConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=2,
-                              hidden_ratio=2, vocab_size=vocab_size, tie_word_embeddings=False, fuse_cross_entropy=False)
-    model = GatedDeltaNetForCausalLM(cfg)
+    if family == "gated_deltanet":
+        model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(
+            hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=2, hidden_ratio=2,
+            vocab_size=vocab_size, tie_word_embeddings=False, fuse_cross_entropy=False))
+    elif family == "qwen3_5":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, vocab_size=vocab_size, tie_word_embeddings=False))
+        model.config._attn_implementation = "sdpa"
+    else:
+        raise ValueError(f"no smoke target of family {family!r}; one of {SMOKE_FAMILIES}")
     with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 3.0 / cfg.hidden_size ** 0.5)
+        model.lm_head.weight.normal_(0.0, 3.0 / model.config.hidden_size ** 0.5)
     return model.eval()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", type=Path, help="local GatedDeltaNetForCausalLM checkpoint (with its tokenizer)")
+    ap.add_argument("--target", type=Path, help="local checkpoint (with its tokenizer) of a GatedDeltaNetForCausalLM "
+                    "or a GDN hybrid (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)")
     ap.add_argument("--corpus", type=Path, nargs="+", required=True, help=".jsonl / .jsonl.xz files or folders")
     ap.add_argument("--eval-corpus", type=Path, nargs="*", help="held-out text (default: valid* beside the corpus, "
                     "else the last 5%% of its documents)")
@@ -349,7 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--hard-weight", type=float, default=0.5, help="weight of the greedy-token cross-entropy")
     ap.add_argument("--hidden-ratio", type=int, default=2, help="drafter MLP width / hidden size")
-    ap.add_argument("--feature-layers", type=int, nargs="+", help="GDNRunner numbering (default: low, mid, top)")
+    ap.add_argument("--feature-layers", type=int, nargs="+", help="0 = embeddings, i = after target block i "
+                    "(default: low, mid, top)")
     ap.add_argument("--dart-slots", type=int, default=0, help="train a DART parallel drafter (specla_hf.drafters.dart) with "
                     "this many mask slots (depths 2 .. slots + 1 from one pass); 0: the EAGLE drafter")
     ap.add_argument("--branches", type=int, default=4, help="DART: slot branch points per training row and step")
@@ -365,6 +385,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny random target, small everything, on the CPU")
+    ap.add_argument("--family", choices=SMOKE_FAMILIES, default="gated_deltanet",
+                    help="the --cpu-smoke target's family (a --target checkpoint's is in its config)")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         args.sequences, args.gen_batch, args.prefix_len, args.gen_len = 48, 48, 16, 48
@@ -376,7 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_sequences(target: GatedDeltaNetForCausalLM, tokenizer: PreTrainedTokenizerFast, texts: list[str],
+def write_sequences(target: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, texts: list[str],
                     args: argparse.Namespace, rng: random.Random, gen: torch.Generator) -> torch.Tensor:
     """``--sequences`` corpus windows continued by the target (``continue_text``) in batches of ``--gen-batch``,
     stopping early after ``--gen-seconds``: ``[n, prefix_len + gen_len]`` int32."""
@@ -431,17 +453,19 @@ def main(argv: list[str] | None = None) -> None:
     # target and tokenizer
     if args.cpu_smoke:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(SMOKE_TOKENIZER)
-        target = smoke_target(len(tokenizer), args.seed)
+        target = smoke_target(len(tokenizer), args.seed, args.family)
     else:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(args.target)
-        target = GatedDeltaNetForCausalLM.from_pretrained(
+        target = AutoModelForCausalLM.from_pretrained(
             args.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    adapter_for(target)                   # a model SpecLA cannot drive is refused before any work
     target = target.to(device).eval().requires_grad_(False)
-    if device.type == "cuda":
+    if device.type == "cuda" and isinstance(target, GatedDeltaNetForCausalLM):
         for block in target.model.layers:   # see drafter_loss: no new kernels to autotune for the feature forward
             block.attn.mode = "fused_recurrent"
-    print(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters, "
-          f"{target.config.num_hidden_layers} layers, hidden {target.config.hidden_size} on {device}")
+    text = target.config.get_text_config()
+    print(f"target: {type(target).__name__}, {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters, "
+          f"{text.num_hidden_layers} layers, hidden {text.hidden_size} on {device}")
 
     # text
     train_files, held_out = corpus_files(args.corpus)

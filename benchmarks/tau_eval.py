@@ -1,0 +1,79 @@
+"""Acceptance (tau) of a target and drafter pair on held-out prompts, chain and tree, greedy, checked against plain
+decoding: any target ``AutoModelForCausalLM`` loads and SpecLA drives (fla GDN or a GDN hybrid), any drafter for it.
+
+    python benchmarks/tau_eval.py --target checkpoints/specla-qwen35-tiny \\
+        --drafter checkpoints/specla-qwen35-tiny-drafter --eval-dir EVAL --out tau.json
+
+``EVAL`` holds the prompt sets (``mt_bench.jsonl``, ``humaneval.jsonl``, ``alpaca_eval_80.jsonl``; the first
+``--per-set`` prompts of each, as raw text); ``--drafter layer-skip`` drafts with the target's first block. tau counts
+the tokens a verify pass emits: accepted drafts plus the target's own, over all prompts together. Every prompt
+decodes to ``--max-new-tokens`` (no EOS), on the CPU in float32, one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import specla_hf  # noqa: F401  (generate(assistant_model=...) and the CPU paths)
+from specla_hf.app.loading import LAYER_SKIP, layer_skip_drafter
+from specla_hf.app.prompts import load_prompts
+from specla_hf.training.train_drafter import continue_text
+
+EVAL_FILES = ("mt_bench.jsonl", "humaneval.jsonl", "alpaca_eval_80.jsonl")
+# (name, generate() drafting keywords): the chain and the tree generate() drafts by default
+CONFIGS = [("chain", dict(tree=False, confidence_threshold=0.0)), ("tree", dict(tree=True, confidence_threshold=0.0))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True, help=f"a drafter folder, or {LAYER_SKIP!r}")
+    ap.add_argument("--eval-dir", type=Path, required=True)
+    ap.add_argument("--per-set", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    drafter = (layer_skip_drafter(target) if args.drafter == LAYER_SKIP
+               else AutoModelForCausalLM.from_pretrained(args.drafter, dtype=torch.float32).eval())
+    target.generation_config.eos_token_id = None
+    # the attention mask goes along: the prompts start with <|endoftext|>, the pad token, which generate() would
+    # otherwise take for padding
+    prompts = [(f, tokenizer(text, return_tensors="pt"))
+               for f in EVAL_FILES for _, text in load_prompts(args.eval_dir / f)[:args.per_set]]
+    # plain greedy decoding by the model's own cached forward (fla's generate() takes no prompt on a CPU: it packs it)
+    plain = [continue_text(target, p["input_ids"], args.max_new_tokens, 0.0, None) for _, p in prompts]
+    results = {}
+    for name, drafting in CONFIGS:
+        per_set: dict[str, list[int]] = {f: [0, 0] for f in EVAL_FILES}          # accepted drafts, verify steps
+        identical, draft_s, t0 = 0, 0.0, time.time()
+        for (f, p), want in zip(prompts, plain):
+            out = target.generate(**p, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=drafter,
+                                  **drafting)
+            stats = target.specla_stats
+            per_set[f][0] += sum(stats.accepted)
+            per_set[f][1] += stats.steps
+            identical += int(torch.equal(out, want))
+            draft_s += stats.draft_time
+        accepted, steps = (sum(v[i] for v in per_set.values()) for i in (0, 1))
+        results[name] = {"tau": (accepted + steps) / steps, "steps": steps, "identical": f"{identical}/{len(prompts)}",
+                         "tau_per_set": {f: (a + s) / s for f, (a, s) in per_set.items() if s},
+                         "draft_ms_per_step": 1000 * draft_s / steps, "seconds": time.time() - t0,
+                         "options": drafting}
+        print(f"{name:<6} tau {results[name]['tau']:.2f} over {steps} verify steps, identical to plain "
+              f"{results[name]['identical']}, per set " +
+              ", ".join(f"{f.split('.')[0]} {t:.2f}" for f, t in results[name]["tau_per_set"].items()))
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "prompts": len(prompts),
+                                        "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
