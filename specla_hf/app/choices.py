@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 LAYER_SKIP = "layer-skip"          # --drafter value that asks for the layer-skip drafter explicitly
+MTP = "mtp"                        # --drafter value for the target checkpoint's own MTP head
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 

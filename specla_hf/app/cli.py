@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 # only what the parser needs: --help and bad flags are answered without importing torch
-from specla_hf.app.choices import DTYPE_NAMES, LAYER_SKIP, ModelError
+from specla_hf.app.choices import DTYPE_NAMES, LAYER_SKIP, MTP, ModelError
 from specla_hf.drafters.options import CHAIN_DEFAULTS, MAX_TREE_BUDGET, TREE_DEFAULTS
 
 if TYPE_CHECKING:
@@ -74,9 +74,10 @@ def _add_model_and_decoding_arguments(parser: argparse.ArgumentParser, new_token
     models = parser.add_argument_group("models")
     models.add_argument("--target", help="a local folder or a Hugging Face Hub id (default: the embedded "
                                          "specla-gdn-tiny in $SPECLA_HOME, else the repository's checkpoints/)")
-    models.add_argument("--drafter", help=f"a folder or Hub id, or {LAYER_SKIP!r} for the target's first block "
-                                          "(default: the default target's aligned drafter specla-gdn-tiny-drafter "
-                                          "when it is there, else layer-skip)")
+    models.add_argument("--drafter", help=f"a folder or Hub id, {LAYER_SKIP!r} for the target's first block, or "
+                                          f"{MTP!r} for the MTP head a Qwen3.5 / Qwen3-Next checkpoint ships "
+                                          "(default: an embedded target's aligned drafter <target>-drafter when it "
+                                          "is there, else layer-skip)")
     models.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     models.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
                         help="auto: float32 on cpu, bfloat16 on cuda (default: auto)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specla_hf.app.choices import DTYPE_NAMES, LAYER_SKIP, ModelError
+from specla_hf.app.choices import DTYPE_NAMES, LAYER_SKIP, MTP, ModelError
 from specla_hf.generation import draft_options, make_drafter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ HUB_TIMEOUT_S = 5.0                # how long the Hub may take to say whether it
 @dataclass
 class Models:
     target: torch.nn.Module            # fla GatedDeltaNetForCausalLM
-    drafter: torch.nn.Module           # a GDN draft model or a specla_hf SpecLADrafter
+    drafter: torch.nn.Module           # a draft model, a SpecLADrafter or an MTPDrafter
     tokenizer: object                  # the target's tokenizer
     target_name: str
     drafter_name: str                  # where the drafter came from and what kind it is, for stats lines and the demo
@@ -63,7 +63,8 @@ def load_models(target: str | None = None, drafter: str | None = None, device: s
     """Load target, tokenizer and drafter (see the module docstring for the defaults) and check that they fit.
 
     ``target`` / ``drafter`` are local folders or Hugging Face Hub ids; ``drafter="layer-skip"`` builds the
-    layer-skip drafter from the target. ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA.
+    layer-skip drafter from the target, ``drafter="mtp"`` reads the target checkpoint's MTP head. ``dtype="auto"``
+    is float32 on the CPU and bfloat16 on CUDA.
     """
     dev = resolve_device(device)
     torch_dtype = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -101,6 +102,15 @@ def load_models(target: str | None = None, drafter: str | None = None, device: s
     if drafter is None or drafter == LAYER_SKIP:
         drafter_model = layer_skip_drafter(target_model)
         drafter_name = f"layer-skip (the target's block 1 of {target_model.config.num_hidden_layers})"
+    elif drafter == MTP:
+        from specla_hf import MTPDrafter
+
+        try:
+            drafter_model = MTPDrafter.from_pretrained(target_loc.path, dtype=torch_dtype, device=dev,
+                                                       local_files_only=target_loc.local)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"--drafter {MTP}: target {target_name}: {_first_line(e)}") from None
+        drafter_name = f"{MTP} (the MTP head of {target_name})"
     else:
         drafter_model = _load(_locate(drafter, "drafter"), "drafter", torch_dtype, dev)
         drafter_name = f"{drafter_source} ({drafter_kind(drafter_model)})"
@@ -118,7 +128,7 @@ def drafter_kind(drafter: torch.nn.Module) -> str:
         return "DART-style parallel drafter"
     if isinstance(drafter, SpecLADrafter):
         return "EAGLE-style aligned drafter"
-    return "GDN draft model"
+    return "draft model"
 
 
 def layer_skip_drafter(target: torch.nn.Module) -> torch.nn.Module:
