@@ -2,12 +2,13 @@
 decoding: any target ``AutoModelForCausalLM`` loads and SpecLA drives (fla GDN or a GDN hybrid), any drafter for it.
 
     python benchmarks/tau_eval.py --target checkpoints/specla-qwen35-tiny \\
-        --drafter checkpoints/specla-qwen35-tiny-drafter --eval-dir EVAL --out tau.json
+        --drafters checkpoints/specla-qwen35-tiny-drafter mtp --eval-dir EVAL --out tau.json
 
 ``EVAL`` holds the prompt sets (``mt_bench.jsonl``, ``humaneval.jsonl``, ``alpaca_eval_80.jsonl``; the first
-``--per-set`` prompts of each, as raw text); ``--drafter layer-skip`` drafts with the target's first block. tau counts
-the tokens a verify pass emits: accepted drafts plus the target's own, over all prompts together. Every prompt
-decodes to ``--max-new-tokens`` (no EOS), on the CPU in float32, one thread.
+``--per-set`` prompts of each, as raw text); ``layer-skip`` drafts with the target's first block, ``mtp`` with the MTP
+head in the target's checkpoint. tau counts the tokens a verify pass emits: accepted drafts plus the target's own,
+over all prompts together. Every prompt decodes to ``--max-new-tokens`` (no EOS), in float32 (on a CPU one thread;
+on a GPU with TF32 off, so that the comparison with plain decoding is exact).
 """
 from __future__ import annotations
 
@@ -20,43 +21,63 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import specla_hf  # noqa: F401  (generate(assistant_model=...) and the CPU paths)
-from specla_hf.app.loading import LAYER_SKIP, layer_skip_drafter
+from specla_hf.app.choices import LAYER_SKIP, MTP
+from specla_hf.app.loading import layer_skip_drafter
 from specla_hf.app.prompts import load_prompts
 from specla_hf.training.train_drafter import continue_text
 
 EVAL_FILES = ("mt_bench.jsonl", "humaneval.jsonl", "alpaca_eval_80.jsonl")
-# (name, generate() drafting keywords): the chain and the tree generate() drafts by default
+# (name, generate() drafting keywords): the chain and the tree generate() drafts by default, speculating throughout
 CONFIGS = [("chain", dict(tree=False, confidence_threshold=0.0)), ("tree", dict(tree=True, confidence_threshold=0.0))]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--drafter", required=True, help=f"a drafter folder, or {LAYER_SKIP!r}")
+    ap.add_argument("--drafters", nargs="+", required=True, help=f"drafter folders, {LAYER_SKIP!r} or {MTP!r}")
     ap.add_argument("--eval-dir", type=Path, required=True)
     ap.add_argument("--per-set", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = (layer_skip_drafter(target) if args.drafter == LAYER_SKIP
-               else AutoModelForCausalLM.from_pretrained(args.drafter, dtype=torch.float32).eval())
     target.generation_config.eos_token_id = None
     # the attention mask goes along: the prompts start with <|endoftext|>, the pad token, which generate() would
     # otherwise take for padding
-    prompts = [(f, tokenizer(text, return_tensors="pt"))
+    prompts = [(f, tokenizer(text, return_tensors="pt").to(args.device))
                for f in EVAL_FILES for _, text in load_prompts(args.eval_dir / f)[:args.per_set]]
     # plain greedy decoding by the model's own cached forward (fla's generate() takes no prompt on a CPU: it packs it)
-    plain = [continue_text(target, p["input_ids"], args.max_new_tokens, 0.0, None) for _, p in prompts]
+    with torch.no_grad():
+        plain = [continue_text(target, p["input_ids"], args.max_new_tokens, 0.0, None) for _, p in prompts]
+    results = {name: evaluate(target, load_drafter(target, name, args), prompts, plain, args.max_new_tokens)
+               for name in args.drafters}
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "prompts": len(prompts),
+                                        "device": str(target.device), "results": results}, indent=1) + "\n")
+
+
+def load_drafter(target, name: str, args) -> torch.nn.Module:
+    if name == LAYER_SKIP:
+        return layer_skip_drafter(target)
+    if name == MTP:
+        return specla_hf.MTPDrafter.from_pretrained(args.target, dtype=torch.float32, device=args.device)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(args.device).eval()
+
+
+def evaluate(target, drafter, prompts: list, plain: list, max_new_tokens: int) -> dict:
+    """tau and identity with ``plain``, chain and tree, of ``drafter`` on ``prompts`` (all the sets together and per
+    set)."""
     results = {}
     for name, drafting in CONFIGS:
         per_set: dict[str, list[int]] = {f: [0, 0] for f in EVAL_FILES}          # accepted drafts, verify steps
         identical, draft_s, t0 = 0, 0.0, time.time()
         for (f, p), want in zip(prompts, plain):
-            out = target.generate(**p, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=drafter,
-                                  **drafting)
+            out = target.generate(**p, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter,
+                                  autoregressive_fallback=False, **drafting)
             stats = target.specla_stats
             per_set[f][0] += sum(stats.accepted)
             per_set[f][1] += stats.steps
@@ -67,12 +88,10 @@ def main() -> None:
                          "tau_per_set": {f: (a + s) / s for f, (a, s) in per_set.items() if s},
                          "draft_ms_per_step": 1000 * draft_s / steps, "seconds": time.time() - t0,
                          "options": drafting}
-        print(f"{name:<6} tau {results[name]['tau']:.2f} over {steps} verify steps, identical to plain "
+        print(f"{type(drafter).__name__} {name:<6} tau {results[name]['tau']:.2f} over {steps} verify steps, identical to plain "
               f"{results[name]['identical']}, per set " +
-              ", ".join(f"{f.split('.')[0]} {t:.2f}" for f, t in results[name]["tau_per_set"].items()))
-    if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "prompts": len(prompts),
-                                        "results": results}, indent=1) + "\n")
+              ", ".join(f"{f.split('.')[0]} {t:.2f}" for f, t in results[name]["tau_per_set"].items()), flush=True)
+    return results
 
 
 if __name__ == "__main__":
