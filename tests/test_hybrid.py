@@ -544,3 +544,24 @@ def test_graphed_decoding_equals_plain(family):
     plain = model.generate(ids, max_new_tokens=capacity, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=capacity, do_sample=False, specla=True), plain)
     assert runner.last_cache.others[0].capacity > capacity and runner.graphs.calls[("ar step",)] is not None
+
+
+def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):
+    """A call whose capture fails (on a GPU: a host sync inside it, e.g. the stock eager MoE experts' loop over the
+    experts hit) warns and runs eagerly, forward calls included: decoding stays exact."""
+    import specla_hf.runtime.graphs as rg
+    model = tiny_hybrid("qwen3_5", seed=2)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(53))
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    runner = emulate_hybrid_graphs(model)
+
+    class Broken(rg.StaticCall):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(rg, "StaticCall", Broken)
+    with pytest.warns(RuntimeWarning, match="capturing a forward call in a CUDA graph failed .* eagerly"):
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, specla=True), plain)
+    for tree in (False, True):            # (a bucket whose capture failed before runs eagerly without a word)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=copy.deepcopy(model),
+                                          tree=tree, confidence_threshold=0.0), plain)
+    assert len(runner.graphs.forwards) > 1 and all(g is None for g in runner.graphs.forwards.values())

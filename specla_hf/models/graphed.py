@@ -92,11 +92,17 @@ class ForwardGraphs(GraphSet):
                 for t in range(1, self.max_seq_tokens + 1):
                     if (t, *key[1:]) not in self.forwards:
                         shaped = tree_map(lambda x: x.new_zeros(x.shape[0], t, *x.shape[2:]), inputs)
-                        self.forwards[(t, *key[1:])] = self._capture(shaped, cache, None, logits_positions,
-                                                                      hidden_layers)
+                        self.forwards[(t, *key[1:])] = self._capture((t, *key[1:]), shaped, cache, None,
+                                                                      logits_positions, hidden_layers)
             else:
-                self.forwards[key] = self._capture(inputs, cache, parents, logits_positions, hidden_layers)
+                self.forwards[key] = self._capture(key, inputs, cache, parents, logits_positions, hidden_layers)
         g = self.forwards[key]
+        if g is None:                 # its capture failed (and said so): this call runs eagerly
+            self.last_tree = None
+            on_device = lambda t: to_device(t, self.adapter.device)      # noqa: E731
+            return self.adapter.compute(tree_map(on_device, inputs), cache,
+                                        None if parents is None else on_device(parents), logits_positions,
+                                        hidden_layers)
         for buf, x in zip(tree_flatten(g.inputs)[0], tree_flatten(inputs)[0]):
             copy_in(buf, x)
         if parents is not None:
@@ -147,7 +153,7 @@ class ForwardGraphs(GraphSet):
         cache.discard()
         return True
 
-    def _capture(self, inputs, cache, parents, logits_positions, hidden_layers) -> _Forward:
+    def _capture(self, key, inputs, cache, parents, logits_positions, hidden_layers) -> _Forward | None:
         # static buffers on the adapter's device (callers may pass host tensors: replays copy them in)
         device = self.adapter.device
         static_inputs = tree_map(lambda t: t.to(device, copy=True), inputs)
@@ -170,10 +176,11 @@ class ForwardGraphs(GraphSet):
             return out, (None if parents is None else cache.pending_refs())
 
         restore()
-        self.captures += 1
-        static = StaticCall(call, self.emulate, between=restore,
-                            python_state=(cache.pending_refs, cache.set_pending_refs))
+        static = self.capture(("forward", *key), call, "a forward call", between=restore,
+                              python_state=(cache.pending_refs, cache.set_pending_refs))
         restore()                     # undo the warm-up's / recording's effects
+        if static is None:
+            return None
         return _Forward(static, static_inputs, static_parents, prefix, static.outputs[1])
 
 
