@@ -440,25 +440,46 @@ def test_autoregressive_loop_and_fallback_equal_plain(target, drafters):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
-    """On a GPU in fp32 (our Triton tree kernels for the verify, transformers' kernels for consuming): greedy output
-    with an exact and a perturbed copy as drafter, chain and tree, and SpecLA's autoregressive loop, equal plain
-    decoding. (TF32 off for cuDNN: plain decoding's short convolution would otherwise not be fp32.)"""
+    """On a GPU in fp32 (our Triton tree kernels for the verify, transformers' kernels for consuming), with the
+    target's CUDA graphs (on by default there) and without: greedy output with an exact and a perturbed copy as
+    drafter, chain and tree, and SpecLA's autoregressive loop equal plain decoding, ``past_key_values`` too. The
+    dense family must capture every call; the MoE families' stock eager experts sync the host (a failed capture warns
+    and runs that call eagerly), so for them the test reports what was captured. (TF32 off for cuDNN: plain
+    decoding's short convolution would otherwise not be fp32.)"""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     target = tiny_hybrid(family, seed=0).cuda()
-    perturbed = copy.deepcopy(target)
+    exact, perturbed = copy.deepcopy(target), copy.deepcopy(target)      # copied before the target holds graphs
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(0.005 * torch.randn_like(p))
     gen = torch.Generator().manual_seed(21)
-    for n_prompt, n_new in ((1, 24), (70, 40)):
-        ids = torch.randint(0, VOCAB, (1, n_prompt), generator=gen).cuda()
-        plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
-        assert torch.equal(target.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True), plain)
-        for drafter in (copy.deepcopy(target), perturbed):
-            for tree in (False, True):
-                spec = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter,
-                                       tree=tree, confidence_threshold=0.0)
-                assert torch.equal(spec, plain), (family, n_prompt, tree)
+    cases = [(torch.randint(0, VOCAB, (1, n_prompt), generator=gen).cuda(), n_new)
+             for n_prompt, n_new in ((1, 24), (70, 40))]
+    for graphed in (True, False):
+        runner = HybridRunner(target, cuda_graphs=graphed)
+        target.__dict__["_specla_runner_target"] = runner          # what generate's adapter_for finds
+        for ids, n_new in cases:
+            kwargs = dict(max_new_tokens=n_new, do_sample=False, return_dict_in_generate=True)
+            plain = target.generate(ids, **kwargs)
+            ours = target.generate(ids, specla=True, **kwargs)
+            assert torch.equal(ours.sequences, plain.sequences), (family, graphed, ids.shape[1])
+            _assert_same_transformers_cache(ours.past_key_values, plain.past_key_values)
+            for drafter in (exact, perturbed):
+                for tree in (False, True):
+                    spec = target.generate(ids, assistant_model=drafter, tree=tree, confidence_threshold=0.0,
+                                           **kwargs)
+                    assert torch.equal(spec.sequences, plain.sequences), (family, graphed, ids.shape[1], tree)
+                    _assert_same_transformers_cache(spec.past_key_values, plain.past_key_values)
+        if not graphed:
+            continue
+        graphs = runner.graphs
+        captured = {k: v is not None for k, v in graphs.calls.items()}
+        print(f"{family}: captured {sum(captured.values())} of {len(captured)} calls: {captured}")
+        trees = [k for k in graphs.forwards if k[1] is not None and k[0] < 64]
+        assert trees, "no tree bucket went through the graphed path"
+        if family == "qwen3_5":
+            assert all(captured.values()), captured
+            assert all(g.commit and all(g.commit.values()) for g in graphs.forwards.values() if g.commit)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -520,7 +541,7 @@ def test_graphed_decoding_equals_plain(family):
     perturbed drafter, short and chained prompts, equal plain greedy decoding, and ``past_key_values`` is the cache
     plain decoding leaves; a longer generation than the reserved cache holds replaces it (and drops its graphs)."""
     model = tiny_hybrid(family, seed=0)
-    perturbed = copy.deepcopy(model)
+    exact, perturbed = copy.deepcopy(model), copy.deepcopy(model)
     gen = torch.Generator().manual_seed(47)
     with torch.no_grad():
         for p in perturbed.parameters():
@@ -532,7 +553,7 @@ def test_graphed_decoding_equals_plain(family):
         ours = model.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True, return_dict_in_generate=True)
         assert torch.equal(ours.sequences, plain.sequences), n_prompt
         _assert_same_transformers_cache(ours.past_key_values, plain.past_key_values)
-        for drafter in (copy.deepcopy(model), perturbed):
+        for drafter in (exact, perturbed):
             for tree in (False, True):
                 spec = model.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter, tree=tree,
                                       confidence_threshold=0.0)
@@ -553,6 +574,7 @@ def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):
     model = tiny_hybrid("qwen3_5", seed=2)
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(53))
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    drafter = copy.deepcopy(model)
     runner = emulate_hybrid_graphs(model)
 
     class Broken(rg.StaticCall):
@@ -562,6 +584,6 @@ def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):
     with pytest.warns(RuntimeWarning, match="capturing a forward call in a CUDA graph failed .* eagerly"):
         assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, specla=True), plain)
     for tree in (False, True):            # (a bucket whose capture failed before runs eagerly without a word)
-        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=copy.deepcopy(model),
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
                                           tree=tree, confidence_threshold=0.0), plain)
     assert len(runner.graphs.forwards) > 1 and all(g is None for g in runner.graphs.forwards.values())
