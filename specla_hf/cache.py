@@ -5,11 +5,11 @@ A GDN layer (``SpecLALayer``) keeps its recurrent state, its conv window and, pe
 ``k_hat [H, K]``, ``u [HV, V]``, the log-decay ``g [HV]`` and the raw pre-conv inputs: a verify pass leaves the
 committed state untouched, and ``commit`` rebuilds the state after the accepted root-to-node path with one
 rank-|path| update (``docs/kernels.md``). Nothing stores a state per draft node. A hybrid model's full-attention
-layer (``SpecLAAttentionLayer``) keeps the committed keys and values followed by the pending nodes', and commits by
-moving the accepted path's entries down (``commit_path``).
+layer (``SpecLAAttentionLayer``) keeps the committed keys and values followed by the pending nodes', its committed
+length as a device tensor, and commits by moving the accepted path's entries down on the device (``commit_path``).
 
-The cache holds no position count: the decoding loop owns it (a commit recorded in a CUDA graph cannot tell the host
-how many tokens it kept).
+The cache holds no position count on the host: the decoding loop owns it (a commit recorded in a CUDA graph cannot
+tell the host how many tokens it kept).
 """
 from __future__ import annotations
 
@@ -93,77 +93,109 @@ class SpecLALayer(CacheLayerMixin):
 
 
 class SpecLAAttentionLayer(CacheLayerMixin):
-    """One full-attention layer of a hybrid model: the committed keys and values, then the pending nodes' (each
-    verified node's, in node order), in one buffer per tensor ``[B, KV heads, capacity, head dim]`` that grows by
-    doubling. The model's attention module reads the committed and pending positions as one contiguous slice; a
-    commit moves the accepted path's entries down to follow the committed ones."""
+    """One full-attention layer of a hybrid model: keys and values in one buffer per tensor ``[B, KV heads,
+    capacity, head dim]``, the committed positions first (``length [B]``, a device tensor), then the pending nodes'
+    (each verified node's, in node order). The attention module reads the whole buffer under a mask built on the
+    device from ``length`` (``specla_hf.models.tree_attention``), new entries are scattered to ``length + i`` and a
+    commit moves the accepted path's entries down on the device: nothing the host holds changes with the committed
+    length, so every call is capturable in a CUDA graph.
+
+    A ``fixed`` layer keeps its capacity (graphs hold its buffers' addresses): its owner reserves what a generation
+    needs. Otherwise the buffers grow on the host, judged from ``bound``, a host upper bound of the committed length
+    (tightened by reading ``length`` only when the bound says the buffer may be too small)."""
 
     is_compileable = False
 
-    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 64, fixed: bool = False):
         super().__init__()
-        self.key_buffer = torch.empty(batch_size, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.value_buffer = torch.empty_like(self.key_buffer)
-        self.length = 0              # committed positions
+        # zeros: unused positions are masked, and a masked weight (0) times a NaN left in memory would still be NaN
+        self.key_buffer = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.value_buffer = torch.zeros_like(self.key_buffer)
+        self.length = torch.zeros(batch_size, dtype=torch.long, device=device)      # committed positions
         self.num_pending = 0
+        self.fixed, self.bound = fixed, 0
         self.device, self.batch_size = device, batch_size
         self.is_initialized = True
 
+    @property
+    def capacity(self) -> int:
+        return self.key_buffer.shape[2]
+
     def append(self, keys: torch.Tensor, values: torch.Tensor, pending: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``keys``, ``values`` ``[B, KV heads, T, head dim]`` after the positions held, as pending nodes or
-        (``pending=False``) straight into the committed ones; returns every position's keys and values."""
+        (``pending=False``) straight into the committed ones; returns the whole buffers (the caller masks them)."""
         if not pending and self.num_pending:
             raise RuntimeError("commit or discard the pending draft nodes before consuming tokens directly")
-        start = self.length + self.num_pending
-        end = start + keys.shape[2]
-        if end > self.key_buffer.shape[2]:
-            self._grow(end)
-        self.key_buffer[:, :, start:end] = keys
-        self.value_buffer[:, :, start:end] = values
+        T = keys.shape[2]
+        self.make_room(self.num_pending + T)
+        slots = self.length[:, None] + torch.arange(self.num_pending, self.num_pending + T, device=self.device)
+        for buffer, new in ((self.key_buffer, keys), (self.value_buffer, values)):
+            buffer.scatter_(2, self._expand(slots), new)
         if pending:
-            self.num_pending += keys.shape[2]
+            self.num_pending += T
         else:
-            self.length = end
-        return self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
-
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self.key_buffer.shape[2], 64)
-        held = self.length + self.num_pending
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
-            new[:, :, :held] = old[:, :, :held]
-            setattr(self, name, new)
+            self.length.add_(T)
+            self.bound += T
+        return self.key_buffer, self.value_buffer
 
     def commit_path(self, nodes: torch.Tensor, length: torch.Tensor) -> None:
         """Keep the pending nodes ``nodes[b, :length[b]]`` (a root-to-node path, root first) right after the committed
-        positions and drop the other pending nodes. Reads ``length`` on the host: the committed length is a shape."""
-        counts = set(length.tolist())
-        if len(counts) != 1:
-            raise ValueError(f"sequences accepted paths of different lengths {sorted(counts)}; the attention cache "
-                             "keeps one length for the batch")
-        n = counts.pop()
-        B, H, _, D = self.key_buffer.shape
-        index = (self.length + nodes[:, :n]).view(B, 1, n, 1).expand(B, H, n, D)
+        positions and drop the other pending nodes, on the device, in static shapes: slot ``length + i`` takes path
+        node ``i`` for ``i < length[b]`` and keeps its entry for the other ``i < P = nodes.shape[1]`` (so a commit of
+        an empty path, a graph's warm-up, changes nothing)."""
+        P = nodes.shape[1]
+        self.make_room(P)
+        steps = torch.arange(P, device=self.device)
+        source = self._expand(self.length[:, None] + torch.where(steps < length[:, None], nodes, steps))
+        target = self._expand(self.length[:, None] + steps)
         for buffer in (self.key_buffer, self.value_buffer):
             # gathered before written: a path node's entry may sit where an earlier path entry goes
-            buffer[:, :, self.length:self.length + n] = buffer.gather(2, index)
-        self.length += n
+            buffer.scatter_(2, target, buffer.gather(2, source))
+        self.length.add_(length)
+        self.bound += P
         self.num_pending = 0
+
+    def _expand(self, slots: torch.Tensor) -> torch.Tensor:
+        B, H, _, D = self.key_buffer.shape
+        return slots[:, None, :, None].expand(B, H, slots.shape[1], D)
+
+    def make_room(self, needed: int) -> None:
+        """Room for ``needed`` positions after the committed ones: a fixed layer has it by its owner's reservation;
+        a growing one grows here, on the host (so it refuses to be captured)."""
+        if self.fixed or self.bound + needed <= self.capacity:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("this attention cache grows on the host and cannot be captured in a CUDA graph")
+        self.bound = int(self.length.max())
+        if self.bound + needed <= self.capacity:
+            return
+        capacity = max(self.bound + needed, 2 * self.capacity)
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :old.shape[2]] = old
+            setattr(self, name, new)
+
+    def committed_length(self) -> int:
+        """The committed length on the host (one read of the device tensor); the same for every sequence."""
+        lengths = set(self.length.tolist())
+        if len(lengths) != 1:
+            raise ValueError(f"sequences hold different committed lengths {sorted(lengths)}")
+        return lengths.pop()
 
     def drop_pending(self) -> None:
         self.num_pending = 0
 
     def pending(self) -> tuple:
-        """How many pending entries follow the committed ones (the layer's lengths are host integers: a CUDA graph
-        could not replay them, so this layer is driven without graphs)."""
+        """How many pending entries follow the committed ones (their keys and values are in the buffers)."""
         return (self.num_pending,)
 
     def set_pending(self, pending: tuple) -> None:
         (self.num_pending,) = pending
 
     def committed(self) -> tuple[torch.Tensor, ...]:
-        return self.key_buffer, self.value_buffer
+        return self.key_buffer, self.value_buffer, self.length
 
     def factor_bytes(self) -> int:
         B, H, _, D = self.key_buffer.shape
@@ -171,23 +203,24 @@ class SpecLAAttentionLayer(CacheLayerMixin):
 
     # ---- CacheLayerMixin interface: this layer is driven by a SpecLA adapter, not by a model's forward ----
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
-        pass  # the buffers grow on use
+        pass  # allocated in __init__
 
     def update(self, *args, **kwargs):
         raise TypeError("SpecLACache is advanced by specla_hf's decoding loop through a model adapter; it cannot be "
                         "passed as `past_key_values` to a model forward. Use model.generate(..., assistant_model=...).")
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.committed_length() + query_length, 0
 
     def get_seq_length(self, *args, **kwargs) -> int:
-        return self.length
+        return self.committed_length()
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.length = self.num_pending = 0
+        self.length.zero_()
+        self.num_pending = self.bound = 0
 
 
 class SpecLACache(Cache):

@@ -177,7 +177,7 @@ def _plain_decoding_cache(target, sequences: torch.LongTensor, committed: int):
     kept tokens are consumed into a fresh cache instead (one prefill pass)."""
     cache = target.last_cache
     if committed != sequences.shape[1] - 1:
-        cache = target.new_cache(1)
+        cache = target.new_cache(1, sequences.shape[1])
         target.forward(sequences[:, :-1].to(target.device), cache, logits_positions=slice(0, 0))
     return target.transformers_cache(cache)
 

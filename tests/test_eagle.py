@@ -229,7 +229,7 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
     # every position the target committed (the last step's whole path): the drafter level with it, none pending
     runner, caches, verified = GDNRunner(target), [], []
     new_cache, forward = runner.new_cache, runner.forward
-    runner.new_cache = lambda batch_size=1: caches.append(new_cache(batch_size)) or caches[-1]
+    runner.new_cache = lambda *args: caches.append(new_cache(*args)) or caches[-1]
     runner.forward = lambda *a, parents=None, **k: verified.append(parents is not None) or forward(*a, parents=parents,
                                                                                                      **k)
     eagle = drafter.candidate_generator(target, draft_options(tree=True))

@@ -14,6 +14,7 @@ from specla_hf import GDNDrafter, speculative_decode
 from specla_hf.cache import SpecLAAttentionLayer, SpecLALayer
 from specla_hf.generation import draft_options
 from specla_hf.models import adapter_for, transformers_backend
+from specla_hf.models.graphed import ForwardGraphs
 from specla_hf.models.qwen3_5 import HybridRunner
 
 
@@ -70,7 +71,7 @@ def test_consuming_matches_the_model_forward(target):
     for i in range(4):
         torch.testing.assert_close(torch.cat([p.hidden_states[i] for p in pieces], 1), stock.hidden_states[i],
                                    rtol=1e-4, atol=1e-4)
-    assert [l.length for l in cache.layers if isinstance(l, SpecLAAttentionLayer)] == [13]
+    assert [l.committed_length() for l in cache.layers if isinstance(l, SpecLAAttentionLayer)] == [13]
 
 
 def test_tree_verify_gives_each_node_its_root_path_logits(target):
@@ -87,7 +88,7 @@ def test_tree_verify_gives_each_node_its_root_path_logits(target):
             prefix = torch.randint(0, VOCAB, (1, int(torch.randint(1, 9, (), generator=gen))), generator=gen)
             cache = runner.new_cache()
             runner.forward(prefix, cache)
-            before = [l.state.clone() if isinstance(l, SpecLALayer) else l.length for l in cache.layers]
+            before = [l.state.clone() if isinstance(l, SpecLALayer) else l.committed_length() for l in cache.layers]
             n = n_first + n_second
             parents = [-1] + [int(torch.randint(-1, i, (), generator=gen)) for i in range(1, n)]
             tokens = torch.randint(0, VOCAB, (1, n), generator=gen)
@@ -99,10 +100,11 @@ def test_tree_verify_gives_each_node_its_root_path_logits(target):
             for node in range(n):
                 seq = torch.cat([prefix, tokens[:, _root_path(parents, node)]], 1)
                 torch.testing.assert_close(logits[node], _last_logits(target, seq), rtol=1e-4, atol=1e-4)
-            after = [l.state if isinstance(l, SpecLALayer) else l.length for l in cache.layers]
+            after = [l.state if isinstance(l, SpecLALayer) else l.committed_length() for l in cache.layers]
             assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(before, after))
             assert cache.num_pending == n
-            assert {l.length for l in cache.layers if isinstance(l, SpecLAAttentionLayer)} == {prefix.shape[1]}
+            lengths = {l.committed_length() for l in cache.layers if isinstance(l, SpecLAAttentionLayer)}
+            assert lengths == {prefix.shape[1]}
     finally:
         for h in hooks:
             h.remove()
@@ -117,9 +119,10 @@ def _assert_same_cache(got, want):
             torch.testing.assert_close(a.state, b.state, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(a.window, b.window, rtol=1e-4, atol=1e-4)
         else:
-            assert isinstance(a, SpecLAAttentionLayer) and a.length == b.length and a.num_pending == 0
+            n = a.committed_length()
+            assert isinstance(a, SpecLAAttentionLayer) and n == b.committed_length() and a.num_pending == 0
             for x, y in ((a.key_buffer, b.key_buffer), (a.value_buffer, b.value_buffer)):
-                torch.testing.assert_close(x[:, :, :a.length], y[:, :, :b.length], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(x[:, :, :n], y[:, :, :n], rtol=1e-4, atol=1e-4)
 
 
 def test_commit_leaves_the_cache_of_consuming_the_path(target):
@@ -437,22 +440,150 @@ def test_autoregressive_loop_and_fallback_equal_plain(target, drafters):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
-    """On a GPU in fp32 (our Triton tree kernels for the verify, transformers' kernels for consuming): greedy output
-    with an exact and a perturbed copy as drafter, chain and tree, and SpecLA's autoregressive loop, equal plain
-    decoding. (TF32 off for cuDNN: plain decoding's short convolution would otherwise not be fp32.)"""
+    """On a GPU in fp32 (our Triton tree kernels for the verify, transformers' kernels for consuming), with the
+    target's CUDA graphs (on by default there) and without: greedy output with an exact and a perturbed copy as
+    drafter, chain and tree, and SpecLA's autoregressive loop equal plain decoding, ``past_key_values`` too. The
+    dense family must capture every call; the MoE families' stock eager experts sync the host (a failed capture warns
+    and runs that call eagerly), so for them the test reports what was captured. (TF32 off for cuDNN: plain
+    decoding's short convolution would otherwise not be fp32.)"""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     target = tiny_hybrid(family, seed=0).cuda()
-    perturbed = copy.deepcopy(target)
+    exact, perturbed = copy.deepcopy(target), copy.deepcopy(target)      # copied before the target holds graphs
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(0.005 * torch.randn_like(p))
     gen = torch.Generator().manual_seed(21)
-    for n_prompt, n_new in ((1, 24), (70, 40)):
-        ids = torch.randint(0, VOCAB, (1, n_prompt), generator=gen).cuda()
-        plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
-        assert torch.equal(target.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True), plain)
-        for drafter in (copy.deepcopy(target), perturbed):
+    cases = [(torch.randint(0, VOCAB, (1, n_prompt), generator=gen).cuda(), n_new)
+             for n_prompt, n_new in ((1, 24), (70, 40))]
+    for graphed in (True, False):
+        runner = HybridRunner(target, cuda_graphs=graphed)
+        target.__dict__["_specla_runner_target"] = runner          # what generate's adapter_for finds
+        for ids, n_new in cases:
+            kwargs = dict(max_new_tokens=n_new, do_sample=False, return_dict_in_generate=True)
+            plain = target.generate(ids, **kwargs)
+            ours = target.generate(ids, specla=True, **kwargs)
+            assert torch.equal(ours.sequences, plain.sequences), (family, graphed, ids.shape[1])
+            _assert_same_transformers_cache(ours.past_key_values, plain.past_key_values)
+            for drafter in (exact, perturbed):
+                for tree in (False, True):
+                    spec = target.generate(ids, assistant_model=drafter, tree=tree, confidence_threshold=0.0,
+                                           **kwargs)
+                    assert torch.equal(spec.sequences, plain.sequences), (family, graphed, ids.shape[1], tree)
+                    _assert_same_transformers_cache(spec.past_key_values, plain.past_key_values)
+        if not graphed:
+            continue
+        graphs = runner.graphs
+        captured = {k: v is not None for k, v in graphs.calls.items()}
+        print(f"{family}: captured {sum(captured.values())} of {len(captured)} calls: {captured}")
+        trees = [k for k in graphs.forwards if k[1] is not None and k[0] < 64]
+        assert trees, "no tree bucket went through the graphed path"
+        if family == "qwen3_5":
+            assert all(captured.values()), captured
+            assert all(g.commit and all(g.commit.values()) for g in graphs.forwards.values() if g.commit)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA graphs, emulated on a CPU (``StaticCall``'s re-runs stand in for replays: anything that a real replay would
+# not redo, a host integer baked into a graph, shows up as wrong tokens)
+# ---------------------------------------------------------------------------------------------------------------
+def emulate_hybrid_graphs(model) -> HybridRunner:
+    runner = HybridRunner.for_model(model, "target")
+    runner.graphs = ForwardGraphs(runner, emulate=True)
+    runner.bucket_trees = True
+    return runner
+
+
+def test_eager_attention_cache_grows_past_its_capacity(target):
+    """Without a reserved length the eager adapter's attention buffers start small and grow on the host: consuming
+    and verifying past the first capacity gives the stock forward's logits."""
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(41))
+    runner = HybridRunner(target)
+    cache = runner.new_cache()
+    first = runner.forward(ids[:, :60], cache).logits
+    chain = runner.forward(ids[:, 60:150], cache, parents=torch.tensor([list(range(-1, 89))])).logits
+    runner.commit(cache, list(range(90)))
+    assert {l.capacity for l in cache.others} == {150}         # from 64: as much as the tree needed
+    assert {l.committed_length() for l in cache.others} == {150}
+    with torch.no_grad():
+        stock = target(ids).logits
+    torch.testing.assert_close(torch.cat([first, chain], 1), stock, rtol=1e-4, atol=1e-4)
+
+
+def test_graphed_verify_and_commit_equal_eager(family):
+    """On the graphed path (a prompt as chains, a tree in two calls, the commit): the logits and the cache equal the
+    eager adapter's, and the graphs were replayed."""
+    model = tiny_hybrid(family, seed=0)
+    eager = HybridRunner(model)
+    graphed = emulate_hybrid_graphs(model)
+    gen = torch.Generator().manual_seed(43)
+    prompt = torch.randint(0, VOCAB, (1, 70), generator=gen)
+    parents = [-1, 0, 0, 1, 2, 4, 4, 3, 1]        # the second call's nodes hang off the first's (padded to 8)
+    tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+    caches, outputs = [], []
+    for runner in (eager, graphed):
+        cache = runner.new_cache(1, max_length=100)
+        out = [runner.forward(prompt, cache, logits_positions=slice(-1, None)).logits]
+        out.append(runner.forward(tokens[:, :5], cache, parents=torch.tensor([parents[:5]])).logits)
+        out.append(runner.forward(tokens[:, 5:], cache, parents=torch.tensor([parents[5:]])).logits)
+        runner.commit(cache, [0, 2, 4])
+        out.append(runner.forward(tokens[:, :1], cache).logits)
+        caches.append(cache)
+        outputs.append(torch.cat(out, 1))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+    _assert_same_cache(caches[1], caches[0])
+    forwards = graphed.graphs.forwards
+    assert {k[:2] for k in forwards if k[1] is not None} == {(64, 0), (8, 0), (4, 8)}
+    assert all(g.commit and all(g.commit.values()) for k, g in forwards.items() if k[:2] == (64, 0))
+
+
+def test_graphed_decoding_equals_plain(family):
+    """With (emulated) CUDA graphs: SpecLA's autoregressive loop, chain and tree speculation with an exact and a
+    perturbed drafter, short and chained prompts, equal plain greedy decoding, and ``past_key_values`` is the cache
+    plain decoding leaves; a longer generation than the reserved cache holds replaces it (and drops its graphs)."""
+    model = tiny_hybrid(family, seed=0)
+    exact, perturbed = copy.deepcopy(model), copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(47)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.005 * torch.randn(p.shape, generator=gen))
+    runner = emulate_hybrid_graphs(model)
+    for n_prompt, n_new in ((1, 20), (70, 16)):
+        ids = torch.randint(0, VOCAB, (1, n_prompt), generator=gen)
+        plain = model.generate(ids, max_new_tokens=n_new, do_sample=False, return_dict_in_generate=True)
+        ours = model.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True, return_dict_in_generate=True)
+        assert torch.equal(ours.sequences, plain.sequences), n_prompt
+        _assert_same_transformers_cache(ours.past_key_values, plain.past_key_values)
+        for drafter in (exact, perturbed):
             for tree in (False, True):
-                spec = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter,
-                                       tree=tree, confidence_threshold=0.0)
-                assert torch.equal(spec, plain), (family, n_prompt, tree)
+                spec = model.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter, tree=tree,
+                                      confidence_threshold=0.0)
+                assert torch.equal(spec, plain.sequences), (n_prompt, tree)
+    assert runner.graphs.calls[("ar step",)] is not None
+    assert any(k[1] is not None and k[0] < 64 for k in runner.graphs.forwards)       # tree buckets
+    capacity = runner.last_cache.others[0].capacity
+    ids = torch.randint(0, VOCAB, (1, 4), generator=gen)
+    plain = model.generate(ids, max_new_tokens=capacity, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=capacity, do_sample=False, specla=True), plain)
+    assert runner.last_cache.others[0].capacity > capacity and runner.graphs.calls[("ar step",)] is not None
+
+
+def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):
+    """A call whose capture fails (on a GPU: a host sync inside it, e.g. the stock eager MoE experts' loop over the
+    experts hit) warns and runs eagerly, forward calls included: decoding stays exact."""
+    import specla_hf.runtime.graphs as rg
+    model = tiny_hybrid("qwen3_5", seed=2)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(53))
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    drafter = copy.deepcopy(model)
+    runner = emulate_hybrid_graphs(model)
+
+    class Broken(rg.StaticCall):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(rg, "StaticCall", Broken)
+    with pytest.warns(RuntimeWarning, match="capturing a forward call in a CUDA graph failed .* eagerly"):
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, specla=True), plain)
+    for tree in (False, True):            # (a bucket whose capture failed before runs eagerly without a word)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                                          tree=tree, confidence_threshold=0.0), plain)
+    assert len(runner.graphs.forwards) > 1 and all(g is None for g in runner.graphs.forwards.values())

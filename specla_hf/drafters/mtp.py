@@ -24,7 +24,8 @@ after the final norm) and whose block is the MTP layer, run by ``_MTPRunner``: i
 ``SpecLAAttentionLayer``, attended through ``specla_hf.models.tree_attention`` as the target's own attention layers
 are (each draft node sees the committed positions and its ancestors), committed along the accepted path.
 
-No CUDA graphs: the attention layer counts its positions on the host, as the hybrid target's adapter does.
+No CUDA graphs yet: the head's cache is made before the generation's length is known, so its attention buffer grows
+on the host (graphs need one of fixed capacity, as the hybrid target's adapter reserves).
 """
 from __future__ import annotations
 
@@ -177,7 +178,7 @@ class _MTPRunner:
     lives on the head (``for_drafter``), one per target.
     """
 
-    graphs = None        # the attention layer's lengths are host integers (see SpecLAAttentionLayer.pending)
+    graphs = None        # its cache is made before the generation's length is known: it grows on the host
 
     def __init__(self, mtp: MTPDrafter, target):
         self.model, self.target = mtp, target
@@ -226,8 +227,7 @@ class _MTPRunner:
             cache.add_nodes(parents)
             ancestors = cache.ancestors[:, pending_before:]
         embeds = self.embeddings(tokens)
-        rotary, mask = attention_inputs(self.rotary_emb, self.model.layer.config._attn_implementation, embeds,
-                                        layer.length, ancestors)
+        rotary, mask = attention_inputs(self.rotary_emb, embeds, layer, ancestors)
         out = self.model(embeds, hidden, rotary, mask, KVView(layer, pending=parents is not None))
         top = out if logits_positions is None else out[:, logits_positions]
         return RunnerOutput(torch.log_softmax(self.lm_head(top), -1, dtype=torch.float32), (out,))

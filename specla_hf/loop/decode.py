@@ -146,7 +146,8 @@ class DeviceDriver:
         """``_tail_step``: about 40 small kernels, one graph replay where the target runs CUDA graphs (its inputs are
         the verify graph's static outputs, the tree buffers and the caches), kept per drafter adapter."""
         graphs = self.target.graphs
-        if graphs is None:
+        # captured only when the drafter's adapter runs graphs too: the tail writes its cache, which may grow if not
+        if graphs is None or self.drafter.runner.graphs is None:
             return self._tail_step(tokens, parents, out)
         pending = tensors_in(self.cache.layers[0].pending())[0]           # which verify graph's outputs it reads
         static = (tokens, parents, out.logits, self.cache.ancestors, *out.hidden_states, pending)
@@ -201,7 +202,7 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     device = input_ids.device
     host_ids = input_ids.cpu()
     stopping = Stopping(stopping_criteria, streamer, device)
-    cache = target.new_cache(1)
+    cache = target.new_cache(1, max_length)
     if input_ids.shape[1] > 1:
         out = target.forward(input_ids[:, :-1].to(target.device), cache, logits_positions=slice(0, 0),
                              hidden_layers=() if drafter is None else drafter.feature_layers)

@@ -34,8 +34,9 @@ class TargetAdapter(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
-    def new_cache(self, batch_size: int = 1):
-        """A fresh ``SpecLACache`` for this model (with CUDA graphs: the adapter's one cache, reset)."""
+    def new_cache(self, batch_size: int = 1, max_length: int | None = None):
+        """A fresh ``SpecLACache`` for this model with room for ``max_length`` positions (with CUDA graphs: the
+        adapter's one cache, reset)."""
 
     def forward(self, inputs, cache, parents: torch.Tensor | None = None, logits_positions: slice | None = None,
                 hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:

@@ -22,7 +22,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import triton
-from torch.utils._pytree import tree_map
 
 import fla.layers.gated_deltanet as fla_gdn
 from fla.layers.gated_deltanet import GatedDeltaNet
@@ -32,10 +31,7 @@ from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
-from specla_hf.drafters.options import MAX_TREE_BUCKET
-from specla_hf.models.graphed import (CHAIN_CHUNK, DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, ForwardGraphs, batch_size,
-                                      num_tokens, pad_tokens, tree_bucket)
-from specla_hf.runtime.transfer import to_device
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, ForwardGraphs, GraphedAdapter
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
@@ -159,7 +155,7 @@ def recurrent_step_(m: GatedDeltaNet, q: torch.Tensor, k: torch.Tensor, v: torch
     return o
 
 
-class GDNRunner:
+class GDNRunner(GraphedAdapter):
     """Drive one GDN causal LM over a ``SpecLACache`` (see module docstring).
 
     ``cuda_graphs`` (default: on when the model is on CUDA) replays captured graphs for decode-path calls and pads
@@ -204,9 +200,10 @@ class GDNRunner:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def new_cache(self, batch_size: int = 1) -> SpecLACache:
-        """A fresh (zero) cache. With CUDA graphs the runner's one cache per batch size is reset and returned: the
-        graphs are bound to its tensors, so a runner drives one generation at a time."""
+    def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> SpecLACache:
+        """A fresh (zero) cache (a recurrent state: ``max_length`` asks for nothing). With CUDA graphs the runner's
+        one cache per batch size is reset and returned: the graphs are bound to its tensors, so a runner drives one
+        generation at a time."""
         if self.graphs is not None and batch_size in self._caches:
             cache = self._caches[batch_size]
             cache.reset()
@@ -223,64 +220,6 @@ class GDNRunner:
         return cache
 
     # ------------------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: SpecLACache, parents: torch.Tensor | None = None,
-                logits_positions: slice | None = None, hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
-        """Consume ``input_ids [B, T]`` (``parents=None``) or verify them as tree nodes (``parents [B, T]``,
-        indices into all pending nodes of the cache, new nodes included). Tree calls return every node's logits."""
-        T = num_tokens(input_ids)
-        if (parents is None and self.graphs is not None and T > self.graphs.max_seq_tokens
-                and batch_size(input_ids) == 1 and not cache.num_pending):
-            return self._consume_as_chains(input_ids, cache, logits_positions, hidden_layers)
-        if parents is not None:
-            if logits_positions not in (None, slice(None)):
-                raise ValueError("tree verification returns the logits of every node")
-            logits_positions = None
-            if self.bucket_trees and tree_bucket(T) <= MAX_TREE_BUCKET:
-                pad = tree_bucket(T) - T                       # inert dummy nodes off the committed state
-                input_ids = pad_tokens(input_ids, pad)
-                parents = F.pad(parents, (0, pad), value=-1)
-        if self.graphs is not None and self.graphs.supports(input_ids, parents):
-            out = self.graphs.forward(input_ids, cache, parents, logits_positions, hidden_layers)
-        else:
-            on_device = lambda t: to_device(t, self.device)      # noqa: E731  (callers may pass host tensors)
-            out = self.compute(tree_map(on_device, input_ids), cache, None if parents is None else on_device(parents),
-                                logits_positions, hidden_layers)
-        if parents is not None and num_tokens(input_ids) != T:
-            out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
-        return out
-
-    def _consume_as_chains(self, inputs, cache: SpecLACache, logits_positions: slice | None,
-                           hidden_layers: tuple[int, ...]) -> RunnerOutput:
-        """Consume a long input (a prompt) on the graphed path: chunks of ``CHAIN_CHUNK`` tokens, each verified as a
-        chain (every node the child of the one before) in the ``CHAIN_CHUNK``-node tree bucket and committed whole,
-        one verify and one commit graph replay per chunk (a short last chunk is padded with inert nodes to the same
-        bucket: one graph serves every prompt length). Eager, fla's chunked prompt kernels launch a dozen kernels per
-        layer from Python. Chain verify + commit is the recurrence (``tests/test_kernels.py``), so this computes what
-        consuming the tokens computes up to summation order. Returns the logits at ``logits_positions`` and the
-        hidden states of every position, as a consuming call does."""
-        T = num_tokens(inputs)
-        wanted = range(T) if logits_positions is None else range(T)[logits_positions]
-        logits, hidden = [], []
-        for start in range(0, T, CHAIN_CHUNK):
-            n = min(CHAIN_CHUNK, T - start)
-            chunk = pad_tokens(tree_map(lambda x: x[:, start:start + n], inputs), CHAIN_CHUNK - n)
-            parents = torch.tensor([list(range(-1, n - 1)) + [-1] * (CHAIN_CHUNK - n)])   # padding: off the state
-            out = self.forward(chunk, cache, parents=parents, hidden_layers=hidden_layers)
-            # the graph's outputs are overwritten by the next replay: keep copies (of slices: indexing with a host
-            # list would copy it to the GPU and stall the host)
-            rows = [i - start for i in wanted if start <= i < start + n]
-            logits.append((out.logits[:, rows[0]:rows[-1] + 1:wanted.step] if rows else out.logits[:, :0]).clone())
-            hidden.append([h[:, :n].clone() for h in out.hidden_states])
-            self.commit(cache, list(range(n)))
-        return RunnerOutput(torch.cat(logits, 1), tuple(torch.cat(h, 1) for h in zip(*hidden)))
-
-    def commit(self, cache: SpecLACache, path: list[int]) -> None:
-        """Keep the verified nodes ``path`` (a root-to-node path, root first): one CUDA-graph replay when they came
-        from a graphed verify pass, ``cache.commit`` otherwise."""
-        if self.graphs is None or not self.graphs.commit(cache, path):
-            cache.commit(path[-1])
-
     def compute(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         if (self.fused_step and parents is None and not hidden_layers and isinstance(input_ids, torch.Tensor)
                 and input_ids.shape == (1, 1)):

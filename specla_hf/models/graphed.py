@@ -10,6 +10,7 @@
 A graph reads its inputs (token ids, or any tuple of ``[B, T, ...]`` tensors: a drafter's features and tokens) from
 static buffers and writes the cache in place (committed tensors) or to its own outputs (the new pending nodes, which
 the cache holds after a replay). Graphs are bound to one cache's tensors: the adapter keeps one cache per batch size.
+``GraphedAdapter`` is an adapter's ``forward`` and ``commit`` through them (prompts as chains, trees in buckets).
 """
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+import torch.nn.functional as F
+
 from specla_hf.drafters.options import MAX_TREE_BUCKET
+from specla_hf.models.base import RunnerOutput
 from specla_hf.runtime.graphs import GraphSet, StaticCall
-from specla_hf.runtime.transfer import copy_in
+from specla_hf.runtime.transfer import copy_in, to_device
 
 MAX_SEQ_TOKENS = 4
 DRAFT_SEQ_TOKENS = 16   # a drafter catching up after a step consumes up to draft depth + 1 tokens: graph those too
@@ -69,6 +73,10 @@ class ForwardGraphs(GraphSet):
         self.forwards: dict[tuple, _Forward] = {}
         self.last_tree: _Forward | None = None     # the tree call whose outputs are the cache's pending nodes
 
+    def clear(self) -> None:
+        super().clear()
+        self.forwards, self.last_tree = {}, None
+
     def supports(self, inputs, parents: torch.Tensor | None) -> bool:
         T = num_tokens(inputs)
         return batch_size(inputs) == 1 and (T <= self.max_seq_tokens if parents is None else T <= MAX_TREE_BUCKET)
@@ -84,11 +92,17 @@ class ForwardGraphs(GraphSet):
                 for t in range(1, self.max_seq_tokens + 1):
                     if (t, *key[1:]) not in self.forwards:
                         shaped = tree_map(lambda x: x.new_zeros(x.shape[0], t, *x.shape[2:]), inputs)
-                        self.forwards[(t, *key[1:])] = self._capture(shaped, cache, None, logits_positions,
-                                                                      hidden_layers)
+                        self.forwards[(t, *key[1:])] = self._capture((t, *key[1:]), shaped, cache, None,
+                                                                      logits_positions, hidden_layers)
             else:
-                self.forwards[key] = self._capture(inputs, cache, parents, logits_positions, hidden_layers)
+                self.forwards[key] = self._capture(key, inputs, cache, parents, logits_positions, hidden_layers)
         g = self.forwards[key]
+        if g is None:                 # its capture failed (and said so): this call runs eagerly
+            self.last_tree = None
+            on_device = lambda t: to_device(t, self.adapter.device)      # noqa: E731
+            return self.adapter.compute(tree_map(on_device, inputs), cache,
+                                        None if parents is None else on_device(parents), logits_positions,
+                                        hidden_layers)
         for buf, x in zip(tree_flatten(g.inputs)[0], tree_flatten(inputs)[0]):
             copy_in(buf, x)
         if parents is not None:
@@ -99,7 +113,8 @@ class ForwardGraphs(GraphSet):
                 prefix_parents.copy_(cache.parents)
                 for bufs, tensors in zip(prefix_pending, pending):
                     for buf, t in zip(bufs, tensors):
-                        buf.copy_(t)
+                        if isinstance(buf, torch.Tensor):
+                            buf.copy_(t)
         out, _ = g.call.replay()
         if parents is not None:
             cache.set_pending_refs(g.pending)
@@ -126,8 +141,9 @@ class ForwardGraphs(GraphSet):
             def commit_all():
                 cache.commit(g.path[0, :1], path=(nodes, g.path[:, 1]))
                 cache.set_pending_refs(pending)      # the Python side of a commit: a replay leaves it to the caller
-            # captured with a path of length 0: the warm-up run then commits nothing
-            g.path[0, 1] = 0
+            # captured with no accepted node and a path of length 0: the warm-up run then commits nothing (the
+            # reference commit reads the node, the kernel the path)
+            g.path[0, :2] = torch.tensor([-1, 0])
             g.commit[long] = self.capture(("commit", id(g), long), commit_all, "the commit")
         static = g.commit[long]
         if static is None:
@@ -137,7 +153,7 @@ class ForwardGraphs(GraphSet):
         cache.discard()
         return True
 
-    def _capture(self, inputs, cache, parents, logits_positions, hidden_layers) -> _Forward:
+    def _capture(self, key, inputs, cache, parents, logits_positions, hidden_layers) -> _Forward | None:
         # static buffers on the adapter's device (callers may pass host tensors: replays copy them in)
         device = self.adapter.device
         static_inputs = tree_map(lambda t: t.to(device, copy=True), inputs)
@@ -145,7 +161,9 @@ class ForwardGraphs(GraphSet):
         prefix = None
         if parents is not None and cache.num_pending:
             parents_now, ancestors_now, pending_now = cache.pending_refs()
-            prefix = (parents_now.clone(), ancestors_now, [tuple(t.clone() for t in p) for p in pending_now])
+            # (an attention layer's pending entry is a count, not a tensor: kept as it is)
+            prefix = (parents_now.clone(), ancestors_now,
+                      [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in p) for p in pending_now])
         saved = cache.snapshot()
 
         def restore():                # outside the recorded region: a copy recorded in a graph would replay each step
@@ -158,8 +176,77 @@ class ForwardGraphs(GraphSet):
             return out, (None if parents is None else cache.pending_refs())
 
         restore()
-        self.captures += 1
-        static = StaticCall(call, self.emulate, between=restore,
-                            python_state=(cache.pending_refs, cache.set_pending_refs))
+        static = self.capture(("forward", *key), call, "a forward call", between=restore,
+                              python_state=(cache.pending_refs, cache.set_pending_refs))
         restore()                     # undo the warm-up's / recording's effects
+        if static is None:
+            return None
         return _Forward(static, static_inputs, static_parents, prefix, static.outputs[1])
+
+
+class GraphedAdapter:
+    """An adapter's ``forward`` and ``commit`` over its ``compute``, through its ``graphs`` (a ``ForwardGraphs``, or
+    ``None`` for eager calls) and ``bucket_trees`` (pad verified trees to their graph bucket): shared by the adapters
+    that capture their calls."""
+
+    graphs: ForwardGraphs | None
+    bucket_trees: bool
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache, parents: torch.Tensor | None = None,
+                logits_positions: slice | None = None, hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
+        """Consume ``input_ids [B, T]`` (``parents=None``) or verify them as tree nodes (``parents [B, T]``,
+        indices into all pending nodes of the cache, new nodes included). Tree calls return every node's logits."""
+        T = num_tokens(input_ids)
+        if (parents is None and self.graphs is not None and T > self.graphs.max_seq_tokens
+                and batch_size(input_ids) == 1 and not cache.num_pending):
+            return self._consume_as_chains(input_ids, cache, logits_positions, hidden_layers)
+        if parents is not None:
+            if logits_positions not in (None, slice(None)):
+                raise ValueError("tree verification returns the logits of every node")
+            logits_positions = None
+            if self.bucket_trees and tree_bucket(T) <= MAX_TREE_BUCKET:
+                pad = tree_bucket(T) - T                       # inert dummy nodes off the committed state
+                input_ids = pad_tokens(input_ids, pad)
+                parents = F.pad(parents, (0, pad), value=-1)
+        if self.graphs is not None and self.graphs.supports(input_ids, parents):
+            out = self.graphs.forward(input_ids, cache, parents, logits_positions, hidden_layers)
+        else:
+            on_device = lambda t: to_device(t, self.device)      # noqa: E731  (callers may pass host tensors)
+            out = self.compute(tree_map(on_device, input_ids), cache, None if parents is None else on_device(parents),
+                                logits_positions, hidden_layers)
+        if parents is not None and num_tokens(input_ids) != T:
+            out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
+        return out
+
+    def _consume_as_chains(self, inputs, cache, logits_positions: slice | None,
+                           hidden_layers: tuple[int, ...]) -> RunnerOutput:
+        """Consume a long input (a prompt) on the graphed path: chunks of ``CHAIN_CHUNK`` tokens, each verified as a
+        chain (every node the child of the one before) in the ``CHAIN_CHUNK``-node tree bucket and committed whole,
+        one verify and one commit graph replay per chunk (a short last chunk is padded with inert nodes to the same
+        bucket: one graph serves every prompt length). Eager, chunked prompt kernels launch a dozen kernels per layer
+        from Python. Chain verify + commit is the recurrence (``tests/test_kernels.py``), so this computes what
+        consuming the tokens computes up to summation order. Returns the logits at ``logits_positions`` and the
+        hidden states of every position, as a consuming call does."""
+        T = num_tokens(inputs)
+        wanted = range(T) if logits_positions is None else range(T)[logits_positions]
+        logits, hidden = [], []
+        for start in range(0, T, CHAIN_CHUNK):
+            n = min(CHAIN_CHUNK, T - start)
+            chunk = pad_tokens(tree_map(lambda x: x[:, start:start + n], inputs), CHAIN_CHUNK - n)
+            parents = torch.tensor([list(range(-1, n - 1)) + [-1] * (CHAIN_CHUNK - n)])   # padding: off the state
+            out = self.forward(chunk, cache, parents=parents, hidden_layers=hidden_layers)
+            # the graph's outputs are overwritten by the next replay: keep copies (of slices: indexing with a host
+            # list would copy it to the GPU and stall the host)
+            rows = [i - start for i in wanted if start <= i < start + n]
+            logits.append((out.logits[:, rows[0]:rows[-1] + 1:wanted.step] if rows else out.logits[:, :0]).clone())
+            hidden.append([h[:, :n].clone() for h in out.hidden_states])
+            self.commit(cache, list(range(n)))
+        return RunnerOutput(torch.cat(logits, 1), tuple(torch.cat(h, 1) for h in zip(*hidden)))
+
+    def commit(self, cache, path: list[int]) -> None:
+        """Keep the verified nodes ``path`` (a root-to-node path, root first): one CUDA-graph replay when they came
+        from a graphed verify pass, ``cache.commit`` otherwise."""
+        if self.graphs is None or not self.graphs.commit(cache, path):
+            cache.commit(path[-1])
+

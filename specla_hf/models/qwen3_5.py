@@ -9,10 +9,13 @@ embedding, full-attention modules, LM head) and replaces only how the mixers kee
   transformers' K-first: consuming transposes it in and out. Value head ``i`` reads key head ``i // (HV / H)`` in both
   (transformers' ``repeat_interleave``).
 - full-attention layers (``self_attn``): the model's own attention module, handed a view of our
-  ``SpecLAAttentionLayer`` as ``past_key_values`` whose ``update`` returns the committed keys and values followed by
-  the pending nodes', an explicit 4D mask (each node sees the committed prefix and its own ancestors, itself
-  included) and the rotary embedding at position ``prefix + depth(node)`` (``specla_hf.models.tree_attention``).
+  ``SpecLAAttentionLayer`` as ``past_key_values`` whose ``update`` returns its whole key and value buffers (the
+  committed positions, then the pending nodes', then unused slots), an explicit 4D mask built on the device from the
+  committed length (each node sees the committed prefix and its own ancestors, itself included) and the rotary
+  embedding at position ``prefix + depth(node)`` (``specla_hf.models.tree_attention``).
 - MLPs, dense or MoE, run on the tree's tokens as on any tokens: routing is per token.
+Nothing the host holds changes with the committed length, so a target's decode-path calls (the one-token step, tree
+verification per bucket, the commit, prompts as chains) run as CUDA graphs through ``GraphedAdapter``.
 ``transformers_cache`` exports the committed state as the ``DynamicCache`` the stock forward keeps (``generate``'s
 ``past_key_values``).
 """
@@ -25,14 +28,17 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
+from specla_hf.drafters.options import MAX_TREE_BUCKET
 from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.graphed import pad_tokens, tree_bucket
+from specla_hf.models.graphed import ForwardGraphs, GraphedAdapter, tree_bucket
 from specla_hf.models.tree_attention import KVView, attention_inputs
 from specla_kernels import ops
 
 # attention implementations that take an arbitrary 4D mask (a tree is not causal)
 MASKED_ATTENTION = ("eager", "sdpa")
+# positions a graphed cache holds when no generation length is given (direct calls of the adapter)
+GRAPHED_CAPACITY = 1024
 
 
 def text_decoder(model):
@@ -56,29 +62,37 @@ def check_hybrid_model(model, role: str = "target") -> None:
                                   "SpecLA's tree convolution applies SiLU")
 
 
-class HybridRunner:
+class HybridRunner(GraphedAdapter):
     """Drive one Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text decoder over a ``SpecLACache`` (see module docstring).
 
-    No CUDA graphs yet (``graphs`` is ``None``); ``bucket_trees`` pads verified trees to power-of-two sizes with
-    inert nodes, as ``GDNRunner`` does for its graphs (off by default).
+    ``cuda_graphs`` (default: on for a target on CUDA) replays captured graphs for decode-path calls, as
+    ``GDNRunner`` does (``specla_hf.models.graphed``): the attention layers then hold buffers of a fixed capacity,
+    reserved by ``new_cache(max_length=...)``. A drafter runs eagerly (its cache is made before the generation's
+    length is known). ``bucket_trees`` pads verified trees to power-of-two sizes with inert nodes (on with graphs).
     """
 
-    graphs = None
-
-    def __init__(self, model, role: str = "target", bucket_trees: bool = False):
+    def __init__(self, model, role: str = "target", cuda_graphs: bool | None = None,
+                 bucket_trees: bool | None = None):
         check_hybrid_model(model, role)
         self.model = model
         self.decoder = text_decoder(model)
         self.config = self.decoder.config
         self.built_for = (model.device, model.dtype)
         self.blocks = self.decoder.layers
-        self.bucket_trees = bucket_trees
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and role == "target"
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
+        self.graphs = ForwardGraphs(self) if cuda_graphs else None
+        self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
+        self._caches: dict[int, SpecLACache] = {}
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
 
     @classmethod
     def for_model(cls, model, role: str = "target") -> "HybridRunner":
-        """The model's runner for ``role``, kept on the model (one per role: a model may draft for itself)."""
+        """The model's runner for ``role``, kept on the model (one per role: a model may draft for itself), so that
+        captured CUDA graphs serve every generate() call."""
         key = f"_specla_runner_{role}"
         runner = model.__dict__.get(key)
         if runner is None or runner.built_for != (model.device, model.dtype):
@@ -94,8 +108,28 @@ class HybridRunner:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def new_cache(self, batch_size: int = 1) -> SpecLACache:
-        """A fresh cache: a ``SpecLALayer`` per GDN layer, a ``SpecLAAttentionLayer`` per attention layer."""
+    def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> SpecLACache:
+        """A fresh cache: a ``SpecLALayer`` per GDN layer, a ``SpecLAAttentionLayer`` per attention layer, room for
+        ``max_length`` positions. With CUDA graphs the runner's one cache per batch size is reset and returned (the
+        graphs are bound to its tensors); one too small for ``max_length`` (or ``GRAPHED_CAPACITY`` positions) is
+        replaced, and the graphs bound to it are dropped, to be captured again."""
+        if self.graphs is None:
+            capacity = 64 if max_length is None else max_length + MAX_TREE_BUCKET
+            self.last_cache = self._make_cache(batch_size, capacity, fixed=False)
+            return self.last_cache
+        # a power of two: nearby lengths share one cache (and its graphs); room for a tree pending on top
+        capacity = tree_bucket(max(max_length or 0, GRAPHED_CAPACITY) + MAX_TREE_BUCKET)
+        cache = self._caches.get(batch_size)
+        if cache is not None and all(l.capacity >= capacity for l in cache.others):
+            cache.reset()
+        else:
+            if cache is not None:
+                self.graphs.clear()
+            cache = self._caches[batch_size] = self._make_cache(batch_size, capacity, fixed=True)
+        self.last_cache = cache
+        return cache
+
+    def _make_cache(self, batch_size: int, capacity: int, fixed: bool) -> SpecLACache:
         layers = []
         for block, kind in zip(self.blocks, self.config.layer_types):
             if kind == "linear_attention":
@@ -105,9 +139,8 @@ class HybridRunner:
             else:
                 m = block.self_attn
                 layers.append(SpecLAAttentionLayer(batch_size, m.k_proj.out_features // m.head_dim, m.head_dim,
-                                                   self.dtype, self.device))
-        self.last_cache = SpecLACache(layers)
-        return self.last_cache
+                                                   self.dtype, self.device, capacity, fixed))
+        return SpecLACache(layers)
 
     def transformers_cache(self, cache: SpecLACache) -> DynamicCache:
         """``cache``'s committed state as the transformers cache the stock forward keeps (a ``DynamicCache`` of the
@@ -120,36 +153,11 @@ class HybridRunner:
                 exported.update_conv_state(layer.window.clone(), i, conv_kernel_size=layer.window.shape[-1])
                 exported.update_recurrent_state(layer.state.transpose(-1, -2).contiguous(), i)
             else:
-                exported.update(layer.key_buffer[:, :, :layer.length].clone(),
-                                 layer.value_buffer[:, :, :layer.length].clone(), i)
+                n = layer.committed_length()
+                exported.update(layer.key_buffer[:, :, :n].clone(), layer.value_buffer[:, :, :n].clone(), i)
         return exported
 
     # ------------------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: SpecLACache, parents: torch.Tensor | None = None,
-                logits_positions: slice | None = None, hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
-        """Consume ``input_ids [B, T]`` (``parents=None``) or verify them as tree nodes (``parents [B, T]``,
-        indices into all pending nodes of the cache, new nodes included). Tree calls return every node's logits."""
-        T = input_ids.shape[1]
-        if parents is not None:
-            if logits_positions not in (None, slice(None)):
-                raise ValueError("tree verification returns the logits of every node")
-            logits_positions = None
-            if self.bucket_trees:
-                pad = tree_bucket(T) - T                       # inert dummy nodes off the committed state
-                input_ids = pad_tokens(input_ids, pad)
-                parents = F.pad(parents, (0, pad), value=-1)
-            parents = parents.to(self.device)
-        out = self.compute(input_ids.to(self.device), cache, parents, logits_positions, hidden_layers)
-        if input_ids.shape[1] != T:
-            out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
-        return out
-
-    def commit(self, cache: SpecLACache, path: list[int]) -> None:
-        """Keep the verified nodes ``path`` (a root-to-node path, root first) and drop the rest."""
-        nodes = torch.tensor([path], device=self.device)
-        cache.commit(path[-1], path=(nodes, torch.tensor([len(path)], device=self.device)))
-
     def compute(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         """``forward`` on device tensors, the tree as given (drafters call it)."""
         B, T = input_ids.shape
@@ -179,15 +187,14 @@ class HybridRunner:
         return RunnerOutput(self.model.lm_head(self.decoder.norm(h)), tuple(hidden))
 
     def _attention_inputs(self, h: torch.Tensor, cache: SpecLACache, pending_before: int,
-                          tree: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+                          tree: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """The attention layers' rotary embedding and mask for the new tokens (``tree_attention.attention_inputs``):
-        every attention layer holds the same positions, so the first one's count serves all."""
+        every attention layer holds the same positions and capacity, so the first one's serve all."""
         layer = next((l for l in cache.layers if isinstance(l, SpecLAAttentionLayer)), None)
         if layer is None:
             return None
         ancestors = cache.ancestors[:, pending_before:] if tree else None                 # [B, T, pending]
-        return attention_inputs(self.decoder.rotary_emb, self.config._attn_implementation, h, layer.length,
-                                ancestors)
+        return attention_inputs(self.decoder.rotary_emb, h, layer, ancestors)
 
     def _projections(self, m, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A GDN module's input projections: the raw conv inputs q|k|v ``[B, T, conv_dim]``, the output gate z

@@ -2,11 +2,12 @@
 embedding and its mask, for tokens consumed into the committed positions or verified as draft-tree nodes after them.
 
 The module runs unchanged: ``past_key_values`` is a ``KVView`` whose ``update`` stores the new keys and values in the
-layer and returns every position's; the mask lets each new token see the committed prefix and, consuming, the new
-tokens up to itself or, verifying, its own ancestors among the pending nodes (itself included); a token sits at
-position ``committed + offset`` (its index among the consumed tokens, or its depth in the tree). ``HybridRunner``'s
-full-attention layers (``specla_hf.models.qwen3_5``) and the MTP drafter's layer (``specla_hf.drafters.mtp``) both
-attend this way.
+layer and returns its whole buffers; the mask lets each new token see the committed prefix and, consuming, the new
+tokens up to itself or, verifying, its own ancestors among the pending nodes (itself included), and hides the unused
+rest; a token sits at position ``committed + offset`` (its index among the consumed tokens, or its depth in the
+tree). Mask and positions are computed on the device from the layer's committed length, so the calls are
+capturable in CUDA graphs. ``HybridRunner``'s full-attention layers (``specla_hf.models.qwen3_5``) and the MTP
+drafter's layer (``specla_hf.drafters.mtp``) both attend this way.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from specla_kernels.reference import tree_depth
 
 class KVView:
     """What a model's attention module is handed as ``past_key_values``: ``update`` stores the new keys and values
-    in the layer (as pending nodes or, consuming, as committed positions) and returns every position's."""
+    in the layer (as pending nodes or, consuming, as committed positions) and returns the layer's whole buffers."""
 
     def __init__(self, layer: SpecLAAttentionLayer, pending: bool):
         self.layer, self.pending = layer, pending
@@ -35,19 +36,26 @@ def rotary_positions(rotary_emb, positions: torch.Tensor) -> torch.Tensor:
     return positions
 
 
-def attention_inputs(rotary_emb, attn_implementation: str, h: torch.Tensor, committed: int,
-                     ancestors: torch.Tensor | None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """The rotary embedding and the additive mask ``[B, 1, T, committed + pending]`` of the new tokens ``h [B, T, .]``
-    after ``committed`` positions: consumed (``ancestors=None``), or tree nodes whose rows of the cache's ancestor mask
-    (``[B, T, pending]``, all pending nodes, these included) are ``ancestors``. A prompt consumed into an empty layer
-    under SDPA gets no mask: SDPA's own causal masking, as in the stock forward, holds no ``T x T`` mask in memory."""
+def attention_inputs(rotary_emb, h: torch.Tensor, layer: SpecLAAttentionLayer,
+                     ancestors: torch.Tensor | None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The rotary embedding and the additive mask ``[B, 1, T, capacity]`` of the new tokens ``h [B, T, .]`` after
+    ``layer``'s committed positions: consumed (``ancestors=None``), or tree nodes whose rows of the cache's ancestor
+    mask (``[B, T, pending]``, all pending nodes, these included) are ``ancestors``. Built on the device from
+    ``layer.length``: slot ``j`` of the buffer holds committed position ``j`` below the length and pending node
+    ``j - length`` from there."""
     B, T = h.shape[:2]
-    offsets = tree_depth(ancestors) if ancestors is not None else torch.arange(T, device=h.device).expand(B, T)
-    rotary = rotary_emb(h, rotary_positions(rotary_emb, committed + offsets))
+    layer.make_room(T if ancestors is None else ancestors.shape[-1])     # a growing layer: before the mask is sized
+    length = layer.length[:, None]                                               # [B, 1]
+    slots = torch.arange(layer.capacity, device=h.device)
     if ancestors is None:
-        if not committed and attn_implementation == "sdpa":
-            return rotary, None
-        ancestors = torch.ones(T, T, dtype=torch.bool, device=h.device).tril().expand(B, T, T)
-    seen = torch.cat([ancestors.new_ones(B, T, committed), ancestors], -1)[:, None]
-    mask = torch.zeros(seen.shape, dtype=h.dtype, device=h.device).masked_fill_(~seen, torch.finfo(h.dtype).min)
-    return rotary, mask
+        offsets = torch.arange(T, device=h.device).expand(B, T)
+        seen = slots <= (length + offsets)[..., None]                            # [B, T, capacity]
+    else:
+        offsets = tree_depth(ancestors)
+        pending = slots - length                                                 # [B, capacity]
+        N = ancestors.shape[-1]
+        among = ancestors.gather(2, pending.clamp(0, N - 1)[:, None].expand(B, T, -1))
+        seen = (pending < 0)[:, None] | (among & (pending < N)[:, None])
+    rotary = rotary_emb(h, rotary_positions(rotary_emb, length + offsets))
+    mask = torch.zeros(B, 1, T, layer.capacity, dtype=h.dtype, device=h.device)
+    return rotary, mask.masked_fill_(~seen[:, None], torch.finfo(h.dtype).min)

@@ -85,6 +85,11 @@ class GraphSet:
         self.statics: dict = {}          # static tensors captured calls read and write (e.g. a drafter's tree)
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    def clear(self) -> None:
+        """Drop every captured call and static object: the tensors they are bound to are being replaced."""
+        self.calls, self.statics = {}, {}
+        self._owned = weakref.WeakKeyDictionary()
+
     def static(self, key, make):
         """The static object under ``key``, made by ``make()`` on first use: kept with the graphs bound to it."""
         if key not in self.statics:
