@@ -386,16 +386,19 @@ def test_kernel_dispatch_by_device():
 # past_key_values
 # ---------------------------------------------------------------------------------------------------------------
 def _assert_same_transformers_cache(got, want):
+    """Equal up to summation order; on a GPU plain decoding's recurrent states come from fla's Triton kernels, whose
+    fp32 dot products run in TF32 (Triton's default), hence the looser bound there."""
+    tol = 1e-3 if want.layers[0].conv_states[0].is_cuda else 1e-4
     assert len(got.layers) == len(want.layers)
     for a, b in zip(got.layers, want.layers):
         assert type(a) is type(b)
         if hasattr(b, "recurrent_states"):
-            torch.testing.assert_close(a.conv_states[0], b.conv_states[0], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a.conv_states[0], b.conv_states[0], rtol=tol, atol=tol)
+            torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], rtol=tol, atol=tol)
             assert a.has_previous_state[0]
         else:
-            torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a.keys, b.keys, rtol=tol, atol=tol)
+            torch.testing.assert_close(a.values, b.values, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
