@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--per-set", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--stock-prompts", type=int, default=None,
+                    help="prompts decoded plainly by the stock forward (default: all; see main)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -50,14 +52,28 @@ def main() -> None:
     # otherwise take for padding
     prompts = [(f, tokenizer(text, return_tensors="pt").to(args.device))
                for f in EVAL_FILES for _, text in load_prompts(args.eval_dir / f)[:args.per_set]]
-    # plain greedy decoding by the model's own cached forward (fla's generate() takes no prompt on a CPU: it packs it)
-    with torch.no_grad():
-        plain = [continue_text(target, p["input_ids"], args.max_new_tokens, 0.0, None) for _, p in prompts]
+    # plain greedy decoding: the model's own cached forward (fla's generate() takes no prompt on a CPU: it packs it)
+    # on the first --stock-prompts, where SpecLA's autoregressive decoding must equal it, which stands in for it on
+    # the rest (on a GPU the stock forward is launch-bound: ~50 ms a token even for the 4M hybrid)
+    stock_prompts = len(prompts) if args.stock_prompts is None else args.stock_prompts
+    plain, ar_equals_stock = [], 0
+    for i, (_, p) in enumerate(prompts):
+        ar = target.generate(**p, max_new_tokens=args.max_new_tokens, do_sample=False, specla=True)
+        if i < stock_prompts:
+            with torch.no_grad():
+                plain.append(continue_text(target, p["input_ids"], args.max_new_tokens, 0.0, None))
+            ar_equals_stock += int(torch.equal(ar, plain[-1]))
+        else:
+            plain.append(ar)
+    print(f"SpecLA's autoregressive decoding equals the stock forward's on {ar_equals_stock}/{stock_prompts} prompts",
+          flush=True)
     results = {name: evaluate(target, load_drafter(target, name, args), prompts, plain, args.max_new_tokens)
                for name in args.drafters}
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "prompts": len(prompts),
-                                        "device": str(target.device), "results": results}, indent=1) + "\n")
+                                        "device": str(target.device),
+                                        "ar_equals_stock": f"{ar_equals_stock}/{stock_prompts}", "results": results},
+                                       indent=1) + "\n")
 
 
 def load_drafter(target, name: str, args) -> torch.nn.Module:
