@@ -14,7 +14,7 @@ from specla_hf import GDNDrafter, speculative_decode
 from specla_hf.cache import SpecLAAttentionLayer, SpecLALayer
 from specla_hf.generation import draft_options
 from specla_hf.models import adapter_for, transformers_backend
-from specla_hf.models.graphed import ForwardGraphs
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, ForwardGraphs
 from specla_hf.models.qwen3_5 import HybridRunner
 
 
@@ -443,12 +443,12 @@ def test_autoregressive_loop_and_fallback_equal_plain(target, drafters):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
-    """On a GPU in fp32 (our Triton tree kernels for the verify, transformers' kernels for consuming), with the
-    target's CUDA graphs (on by default there) and without: greedy output with an exact and a perturbed copy as
-    drafter, chain and tree, and SpecLA's autoregressive loop equal plain decoding, ``past_key_values`` too. The
-    dense family must capture every call; the MoE families' stock eager experts sync the host (a failed capture warns
-    and runs that call eagerly), so for them the test reports what was captured. (TF32 off for cuDNN: plain
-    decoding's short convolution would otherwise not be fp32.)"""
+    """On a GPU in fp32 (our Triton tree kernels for the verify, transformers' kernels for consuming), with CUDA
+    graphs on the target and the drafter (on by default there) and without: greedy output with an exact and a
+    perturbed copy as drafter, chain and tree, and SpecLA's autoregressive loop equal plain decoding,
+    ``past_key_values`` too. The dense family must capture every call, the drafters' too; the MoE families' stock
+    eager experts sync the host (a failed capture warns and runs that call eagerly), so for them the test reports
+    what was captured. (TF32 off for cuDNN: plain decoding's short convolution would otherwise not be fp32.)"""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     target = tiny_hybrid(family, seed=0).cuda()
     exact, perturbed = copy.deepcopy(target), copy.deepcopy(target)      # copied before the target holds graphs
@@ -461,6 +461,8 @@ def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
     for graphed in (True, False):
         runner = HybridRunner(target, cuda_graphs=graphed)
         target.__dict__["_specla_runner_target"] = runner          # what generate's adapter_for finds
+        for drafter in (exact, perturbed):
+            drafter.__dict__["_specla_runner_drafter"] = HybridRunner(drafter, "drafter", cuda_graphs=graphed)
         for ids, n_new in cases:
             kwargs = dict(max_new_tokens=n_new, do_sample=False, return_dict_in_generate=True)
             plain = target.generate(ids, **kwargs)
@@ -480,18 +482,26 @@ def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
         print(f"{family}: captured {sum(captured.values())} of {len(captured)} calls: {captured}")
         trees = [k for k in graphs.forwards if k[1] is not None and k[0] < 64]
         assert trees, "no tree bucket went through the graphed path"
+        # the drafters' own calls and the device loop's acceptance tails bound to them
+        drafter_runners = [d.__dict__["_specla_runner_drafter"] for d in (exact, perturbed)]
+        drafted = [(k, v is not None) for r in drafter_runners
+                   for k, v in (*r.graphs.calls.items(), *graphs.store(owner=r).items())]
+        print(f"{family} drafters: captured {sum(c for _, c in drafted)} of {len(drafted)} calls: {drafted}")
+        assert any(k[0] == "step tail" for k, _ in drafted)
         if family == "qwen3_5":
             assert all(captured.values()), captured
             assert all(g.commit and all(g.commit.values()) for g in graphs.forwards.values() if g.commit)
+            assert all(c for _, c in drafted), [k for k, c in drafted if not c]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA graphs, emulated on a CPU (``StaticCall``'s re-runs stand in for replays: anything that a real replay would
 # not redo, a host integer baked into a graph, shows up as wrong tokens)
 # ---------------------------------------------------------------------------------------------------------------
-def emulate_hybrid_graphs(model) -> HybridRunner:
-    runner = HybridRunner.for_model(model, "target")
-    runner.graphs = ForwardGraphs(runner, emulate=True)
+def emulate_hybrid_graphs(model, role: str = "target") -> HybridRunner:
+    runner = HybridRunner.for_model(model, role)
+    runner.graphs = ForwardGraphs(runner, emulate=True,
+                                  max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
     runner.bucket_trees = True
     return runner
 
@@ -568,6 +578,41 @@ def test_graphed_decoding_equals_plain(family):
     plain = model.generate(ids, max_new_tokens=capacity, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=capacity, do_sample=False, specla=True), plain)
     assert runner.last_cache.others[0].capacity > capacity and runner.graphs.calls[("ar step",)] is not None
+
+
+def test_graphed_hybrid_drafters_draft_as_eager(family, drafters):
+    """With (emulated) CUDA graphs on the target and on a hybrid drafter (a copy, a perturbed copy, a small model):
+    chains and trees, in the device loop and the host loop (a threshold), after a one-token prompt and one the
+    drafter consumes as chains, draft, accept and emit exactly what the eager drafter does, and a second generate()
+    replays the first one's graphs: the drafter's catch-up, depths and commits, and the device loop's acceptance
+    tail."""
+    model = tiny_hybrid(family, seed=0)
+    gen = torch.Generator().manual_seed(59)
+    cases = [(torch.randint(0, VOCAB, (1, n_prompt), generator=gen), n_new) for n_prompt, n_new in ((1, 16), (70, 12))]
+    settings = [(False, 0.0), (True, 0.0), (True, 0.05)]
+    drafters = {name: copy.deepcopy(d) for name, d in drafters.items()}   # the module's drafters stay eager
+
+    def run(drafter):
+        runs = []
+        for ids, n_new in cases:
+            for tree, threshold in settings:
+                seq = model.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=drafter, tree=tree,
+                                     confidence_threshold=threshold)
+                runs.append((seq, model.specla_stats.draft_nodes, model.specla_stats.accepted))
+        return runs
+    eager = {name: run(d) for name, d in drafters.items()}
+    target_runner = emulate_hybrid_graphs(model)
+    for name, drafter in drafters.items():
+        runner = emulate_hybrid_graphs(drafter, "drafter")
+        for trial in range(2):
+            for got, want in zip(run(drafter), eager[name]):
+                assert torch.equal(got[0], want[0]) and got[1:] == want[1:], (name, trial)
+        assert adapter_for(drafter, "drafter") is runner and all(l.fixed for l in runner.last_cache.others)
+        keys = list(runner.graphs.forwards)
+        assert any(k[1] is None and k[0] > 1 for k in keys) and any(k[:2] == (64, 0) for k in keys), name
+        assert any(k[1] == "depth" and v is not None for k, v in runner.graphs.calls.items())
+        tails = target_runner.graphs.store(owner=runner)
+        assert tails and all(k[0] == "step tail" and v is not None for k, v in tails.items())
 
 
 def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):

@@ -17,10 +17,12 @@ from transformers import (DynamicCache, LogitsProcessorList, MaxLengthCriteria, 
 
 from conftest import tiny_gdn
 from hybrid_models import VOCAB, spread_weights_, tiny_hybrid, tiny_qwen3_5_vl
-from test_hybrid import _chisq_pvalue, _exact_first_two
+from test_hybrid import _chisq_pvalue, _exact_first_two, emulate_hybrid_graphs
 from specla_hf import MTPDrafter, speculative_decode
 from specla_hf.drafters import mtp_checkpoint
+from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.generation import draft_options
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, ForwardGraphs
 from specla_hf.models.qwen3_5 import HybridRunner, text_decoder
 from specla_hf.models.tree_attention import rotary_positions
 from specla_hf.training import train_drafter, train_mtp
@@ -235,6 +237,90 @@ def test_greedy_identical_on_moe_and_vision_language_targets(model):
         spec = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=head, tree=tree,
                                confidence_threshold=0.0)
         assert torch.equal(spec, plain)
+
+
+def graphed_mtp(target, head: MTPDrafter) -> _MTPRunner:
+    """``head``'s runner for ``target`` with (emulated) CUDA graphs, as on a GPU."""
+    runner = _MTPRunner.for_drafter(head, target)
+    runner.graphs = ForwardGraphs(runner, emulate=True, max_seq_tokens=DRAFT_SEQ_TOKENS)
+    runner.bucket_trees = True
+    return runner
+
+
+def test_graphed_drafting_equals_eager(trained):
+    """With (emulated) CUDA graphs on the target and the head: chains and trees, in the device loop and the host loop
+    (a threshold), after a one-token prompt and one consumed as chains, draft, accept and emit exactly what eager
+    drafting does (trees padded to buckets, a fixed-capacity cache), and a second generate() replays the first one's
+    graphs: the head's catch-up, depths and fusion, and the device loop's acceptance tail."""
+    out, _, _, _ = trained
+    target, head = train_mtp.smoke_target(256, seed=0), MTPDrafter.from_pretrained(out)
+    gen = torch.Generator().manual_seed(17)
+    cases = [(torch.randint(0, 256, (1, n_prompt), generator=gen), n_new) for n_prompt, n_new in ((1, 20), (70, 24))]
+    settings = [(False, 0.0), (True, 0.0), (True, 0.05)]
+
+    def run():
+        runs = []
+        for ids, n_new in cases:
+            for tree, threshold in settings:
+                seq = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=head, tree=tree,
+                                      confidence_threshold=threshold)
+                stats = target.specla_stats
+                runs.append((seq, stats.draft_nodes, stats.accepted))
+        return runs
+    eager = run()
+    assert _MTPRunner.for_drafter(head, target).graphs is None             # a CPU runs the head eagerly
+    target_runner = emulate_hybrid_graphs(target)
+    runner = graphed_mtp(target, head)
+    for trial in range(2):
+        for (seq, nodes, accepted), (want, want_nodes, want_accepted) in zip(run(), eager):
+            assert torch.equal(seq, want) and nodes == want_nodes and accepted == want_accepted, trial
+    assert _MTPRunner.for_drafter(head, target) is runner
+    keys = list(runner.graphs.forwards)
+    assert any(k[1] is None and k[0] > 1 for k in keys)                    # catch-up sequences
+    assert any(k[:2] == (64, 0) for k in keys)                             # a prompt consumed as chains
+    assert all(v is not None for v in runner.graphs.forwards.values())
+    calls = runner.graphs.calls
+    assert any(k[0] == "fuse" and v is not None for k, v in calls.items())
+    assert any(k[1] == "depth" and v is not None for k, v in calls.items())
+    assert all(l.fixed for l in runner.last_cache.others)
+    tails = target_runner.graphs.store(owner=runner)
+    assert tails and all(k[0] == "step tail" and v is not None for k, v in tails.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_greedy_identical_to_plain_on_cuda_with_graphs(trained, monkeypatch):
+    """On a GPU in fp32, with CUDA graphs on the target and the head (on by default there) and without: the trained
+    smoke head's chains and trees, in the device loop and the host loop, give plain greedy decoding's tokens; with
+    graphs every call of the head was captured and the device loop's acceptance tail replayed graphs. (TF32 off for
+    cuDNN: plain decoding's short convolution would otherwise not be fp32.)"""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    out, _, _, _ = trained
+    target = train_mtp.smoke_target(256, seed=0).cuda()
+    gen = torch.Generator().manual_seed(13)
+    cases = [(torch.randint(0, 256, (1, n_prompt), generator=gen).cuda(), n_new)
+             for n_prompt, n_new in ((1, 24), (6, 40), (70, 33))]
+    for graphed in (True, False):
+        head = MTPDrafter.from_pretrained(out, device="cuda")
+        target.__dict__["_specla_runner_target"] = HybridRunner(target, cuda_graphs=graphed)
+        runner = _MTPRunner(head, target, cuda_graphs=graphed)
+        head.__dict__["_specla_runner"] = runner                  # what candidate_generator's for_drafter finds
+        accepted = 0
+        for ids, n_new in cases:
+            plain = target.generate(ids, max_new_tokens=n_new, do_sample=False)
+            for tree, threshold in ((False, 0.0), (True, 0.0), (True, 0.05)):
+                spec = target.generate(ids, max_new_tokens=n_new, do_sample=False, assistant_model=head, tree=tree,
+                                       confidence_threshold=threshold)
+                assert torch.equal(spec, plain), (graphed, ids.shape[1], tree, threshold)
+                accepted += sum(target.specla_stats.accepted)
+        assert accepted > 0
+        if not graphed:
+            continue
+        captured = {k: v is not None for k, v in runner.graphs.calls.items()}
+        print(f"captured {sum(captured.values())} of {len(captured)} MTP calls: {captured}")
+        assert captured and all(captured.values()), captured
+        assert runner.graphs.forwards and all(g is not None for g in runner.graphs.forwards.values())
+        tails = target.__dict__["_specla_runner_target"].graphs.store(owner=runner)
+        assert tails and all(v is not None for v in tails.values())
 
 
 @torch.no_grad()

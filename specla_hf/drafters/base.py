@@ -235,6 +235,13 @@ class DynamicTreeDrafter:
         committed, in order: all ``T`` (prefill), or the nodes ``positions`` of a verify pass (the accepted path).
         Only target-aligned drafters (``feature_layers`` set) use them."""
 
+    def reserve(self, max_length: int) -> None:
+        """Before a generation of up to ``max_length`` positions (the loop calls this before anything else): a drafter
+        with a cache takes a fresh one from its runner with room for them (a graphed attention cache has a fixed
+        capacity, which the runner can only size once the length is known)."""
+        if self.cache is not None:
+            self.cache = self.runner.new_cache(1, max_length)
+
     def _new_buffers(self) -> DraftBuffers:
         """This drafter's static tree buffers (a subclass that keeps more per node returns its own kind)."""
         return DraftBuffers(self.options.topk, self.options.depth, self.runner.device)

@@ -24,8 +24,8 @@ after the final norm) and whose block is the MTP layer, run by ``_MTPRunner``: i
 ``SpecLAAttentionLayer``, attended through ``specla_hf.models.tree_attention`` as the target's own attention layers
 are (each draft node sees the committed positions and its ancestors), committed along the accepted path.
 
-No CUDA graphs yet: the head's cache is made before the generation's length is known, so its attention buffer grows
-on the host (graphs need one of fixed capacity, as the hybrid target's adapter reserves).
+On CUDA the runner's calls are CUDA graphs, as the hybrid target's are: its cache has a fixed capacity, reserved for
+the generation's length when the loop starts the drafter (``DynamicTreeDrafter.reserve``).
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.qwen3_5 import MASKED_ATTENTION, text_decoder
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, ForwardGraphs
+from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, text_decoder
 from specla_hf.models.tree_attention import KVView, attention_inputs
-from specla_hf.runtime.transfer import to_device
 
 # text-config model_type -> (modeling module, decoder-layer class, RMSNorm class) the MTP layer is built from
 FAMILIES = {
@@ -168,24 +168,31 @@ class MTPDrafter(nn.Module):
         return MTPTreeDrafter(self, target, options)
 
 
-class _MTPRunner:
-    """The MTP head over its own ``SpecLACache`` (one ``SpecLAAttentionLayer``): ``EagleDrafter``'s drafter adapter.
+class _MTPRunner(HybridRunner):
+    """The MTP head over its own ``SpecLACache`` (one ``SpecLAAttentionLayer``): ``EagleDrafter``'s drafter adapter,
+    with ``HybridRunner``'s caches (a fixed capacity under CUDA graphs, reserved by ``new_cache(max_length=...)``) and
+    graphed calls (``GraphedAdapter``: catch-up sequences and prompts as chains, tree buckets, commits).
 
     A call's inputs are ``(hidden [1, T, H], tokens [1, T])``: the hidden states each position reads and the tokens
     whose target embeddings it reads; its ``logits`` are the draft log-probs (fp32), its one hidden state the layer's
     output ``o`` (what child nodes read). Consuming extends the committed positions; tree nodes (``parents``) are
     pending entries seen by their descendants only, until ``SpecLACache.commit`` keeps the accepted path. The runner
-    lives on the head (``for_drafter``), one per target.
+    lives on the head (``for_drafter``), one per target, so the graphs captured in one generate() call serve the next.
     """
 
-    graphs = None        # its cache is made before the generation's length is known: it grows on the host
-
-    def __init__(self, mtp: MTPDrafter, target):
+    def __init__(self, mtp: MTPDrafter, target, cuda_graphs: bool | None = None):
+        # not HybridRunner.__init__: that one checks and walks a whole hybrid model
         self.model, self.target = mtp, target
         self.built_for = (mtp.device, mtp.dtype)
         self.embeddings = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.rotary_emb = text_decoder(target).rotary_emb
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.graphs = ForwardGraphs(self, max_seq_tokens=DRAFT_SEQ_TOKENS) if cuda_graphs else None
+        self.bucket_trees = cuda_graphs
+        self._caches: dict[int, SpecLACache] = {}
+        self.last_cache: SpecLACache | None = None
 
     @classmethod
     def for_drafter(cls, mtp: MTPDrafter, target) -> _MTPRunner:
@@ -195,25 +202,10 @@ class _MTPRunner:
             mtp.__dict__["_specla_runner"] = runner
         return runner
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    def new_cache(self, batch_size: int = 1) -> SpecLACache:
+    def _make_cache(self, batch_size: int, capacity: int, fixed: bool) -> SpecLACache:
         attn = self.model.layer.mtp_block.self_attn
         return SpecLACache([SpecLAAttentionLayer(batch_size, attn.k_proj.out_features // attn.head_dim,
-                                                 attn.head_dim, self.dtype, self.device)])
-
-    def forward(self, inputs, cache: SpecLACache, parents: torch.Tensor | None = None,
-                logits_positions: slice | None = None, hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
-        """``compute`` on host or device inputs (``EagleDrafter.start`` hands over host tokens)."""
-        inputs = tuple(to_device(t, self.device) for t in inputs)
-        parents = None if parents is None else to_device(parents, self.device)
-        return self.compute(inputs, cache, parents, logits_positions, hidden_layers)
+                                                 attn.head_dim, self.dtype, self.device, capacity, fixed)])
 
     def compute(self, inputs, cache: SpecLACache, parents: torch.Tensor | None, logits_positions,
                 hidden_layers: tuple[int, ...]) -> RunnerOutput:

@@ -150,7 +150,8 @@ class DeviceDriver:
         if graphs is None or self.drafter.runner.graphs is None:
             return self._tail_step(tokens, parents, out)
         pending = tensors_in(self.cache.layers[0].pending())[0]           # which verify graph's outputs it reads
-        static = (tokens, parents, out.logits, self.cache.ancestors, *out.hidden_states, pending)
+        drafted = tensors_in(self.drafter.cache.layers[0].committed())     # which drafter cache it writes
+        static = (tokens, parents, out.logits, self.cache.ancestors, *out.hidden_states, pending, *drafted)
         key = ("step tail", tokens.shape[1], *(t.data_ptr() for t in static))
         owner = self.drafter.runner
         store = graphs.store(owner)
@@ -203,6 +204,8 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     host_ids = input_ids.cpu()
     stopping = Stopping(stopping_criteria, streamer, device)
     cache = target.new_cache(1, max_length)
+    if drafter is not None:
+        drafter.reserve(max_length)
     if input_ids.shape[1] > 1:
         out = target.forward(input_ids[:, :-1].to(target.device), cache, logits_positions=slice(0, 0),
                              hidden_layers=() if drafter is None else drafter.feature_layers)

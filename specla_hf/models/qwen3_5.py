@@ -14,8 +14,9 @@ embedding, full-attention modules, LM head) and replaces only how the mixers kee
   committed length (each node sees the committed prefix and its own ancestors, itself included) and the rotary
   embedding at position ``prefix + depth(node)`` (``specla_hf.models.tree_attention``).
 - MLPs, dense or MoE, run on the tree's tokens as on any tokens: routing is per token.
-Nothing the host holds changes with the committed length, so a target's decode-path calls (the one-token step, tree
-verification per bucket, the commit, prompts as chains) run as CUDA graphs through ``GraphedAdapter``.
+Nothing the host holds changes with the committed length, so the decode-path calls (the one-token step, tree
+verification per bucket, the commit, prompts as chains) of a target or a drafter run as CUDA graphs through
+``GraphedAdapter``.
 ``transformers_cache`` exports the committed state as the ``DynamicCache`` the stock forward keeps (``generate``'s
 ``past_key_values``).
 """
@@ -31,7 +32,7 @@ from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
 from specla_hf.drafters.options import MAX_TREE_BUCKET
 from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.graphed import ForwardGraphs, GraphedAdapter, tree_bucket
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, ForwardGraphs, GraphedAdapter, tree_bucket
 from specla_hf.models.tree_attention import KVView, attention_inputs
 from specla_kernels import ops
 
@@ -65,10 +66,10 @@ def check_hybrid_model(model, role: str = "target") -> None:
 class HybridRunner(GraphedAdapter):
     """Drive one Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text decoder over a ``SpecLACache`` (see module docstring).
 
-    ``cuda_graphs`` (default: on for a target on CUDA) replays captured graphs for decode-path calls, as
+    ``cuda_graphs`` (default: on for a model on CUDA) replays captured graphs for decode-path calls, as
     ``GDNRunner`` does (``specla_hf.models.graphed``): the attention layers then hold buffers of a fixed capacity,
-    reserved by ``new_cache(max_length=...)``. A drafter runs eagerly (its cache is made before the generation's
-    length is known). ``bucket_trees`` pads verified trees to power-of-two sizes with inert nodes (on with graphs).
+    reserved by ``new_cache(max_length=...)`` (for a drafter: ``DynamicTreeDrafter.reserve``). ``bucket_trees`` pads
+    verified trees to power-of-two sizes with inert nodes (on with graphs).
     """
 
     def __init__(self, model, role: str = "target", cuda_graphs: bool | None = None,
@@ -80,10 +81,11 @@ class HybridRunner(GraphedAdapter):
         self.built_for = (model.device, model.dtype)
         self.blocks = self.decoder.layers
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and role == "target"
+            cuda_graphs = self.device.type == "cuda"
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
-        self.graphs = ForwardGraphs(self) if cuda_graphs else None
+        self.graphs = (ForwardGraphs(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
+                       if cuda_graphs else None)
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
         self._caches: dict[int, SpecLACache] = {}
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
