@@ -76,7 +76,7 @@ def test_generate_streams_the_greedy_text_then_a_stats_line(ckpts):
     # the fallback (on, as in generate()) says whether speculation paid, or after how many steps it stopped
     assert re.fullmatch(r"fell back after \d+ speculative steps: .*|speculation [\d.]+ ms a token, .*|too few .*",
                         verdict), verdict
-    assert drafter == f"{ckpts['drafter']} (GDN draft model)"
+    assert drafter == f"{ckpts['drafter']} (draft model)"
 
 
 def test_sampling_options_reach_generate_and_a_seed_repeats_a_run(ckpts):
@@ -229,6 +229,34 @@ def test_readme_examples_print_what_the_readme_says():
     m = STATS.search(cli.stderr)
     assert m and m.group(1) == "128" and m.group(8) == f"{DEFAULT_DRAFTER} (EAGLE-style aligned drafter)" \
         and m.group(9), cli.stderr
+
+
+
+def test_readme_hybrid_examples_run():
+    """The README's Qwen3.5 section: its two Python snippets (aligned drafter, then the checkpoint's MTP head) on the
+    embedded hybrid, each asserting identity with plain decoding, and its two commands."""
+    section = re.search(r"## Qwen3\.5 and Qwen3-Next.*?\n## ", (ROOT / "README.md").read_text(), re.S).group(0)
+    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(snippets) == 2
+    commands = ['specla generate --target specla-qwen35-tiny "def fibonacci(n):"',
+                "specla generate --target specla-qwen35-tiny --drafter mtp"]
+    assert all(c in section for c in commands)
+    env = {**os.environ, "SPECLA_HOME": ""}
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda cmd: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                                                        timeout=300),
+                             ([sys.executable, "-c", "\n".join(snippets)],
+                              [sys.executable, "-m", "specla_hf.app.cli", "generate", "--target", "specla-qwen35-tiny",
+                               "--max-new-tokens", "24", "def fibonacci(n):"],
+                              [sys.executable, "-m", "specla_hf.app.cli", "generate", "--target", "specla-qwen35-tiny",
+                               "--drafter", "mtp", "--max-new-tokens", "24", "def fibonacci(n):"])))
+    python, aligned, mtp = runs
+    assert python.returncode == 0, python.stderr[-3000:]
+    for run, drafter in ((aligned, "specla-qwen35-tiny-drafter (EAGLE-style aligned drafter)"),
+                         (mtp, "mtp (the MTP head of specla-qwen35-tiny)")):
+        assert run.returncode == 0, run.stderr[-3000:]
+        m = STATS.search(run.stderr)
+        assert m and m.group(1) == "24" and m.group(8) == drafter and m.group(9), run.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
