@@ -31,7 +31,7 @@ from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, ForwardGraphs, GraphedAdapter
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
@@ -171,15 +171,8 @@ class GDNRunner(GraphedAdapter):
         self.built_for = (model.device, model.dtype)
         self.blocks = model.model.layers
         self.mixers: list[GatedDeltaNet] = [block.attn for block in self.blocks]
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
-        self.graphs = (ForwardGraphs(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
-                       if cuda_graphs else None)
-        self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
+        self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
-        self._caches: dict[int, SpecLACache] = {}
 
     @classmethod
     def for_model(cls, model: GatedDeltaNetForCausalLM, role: str = "target") -> "GDNRunner":

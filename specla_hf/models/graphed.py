@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
-
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map
 
 from specla_hf.drafters.options import MAX_TREE_BUCKET
 from specla_hf.models.base import RunnerOutput
@@ -99,10 +98,7 @@ class ForwardGraphs(GraphSet):
         g = self.forwards[key]
         if g is None:                 # its capture failed (and said so): this call runs eagerly
             self.last_tree = None
-            on_device = lambda t: to_device(t, self.adapter.device)      # noqa: E731
-            return self.adapter.compute(tree_map(on_device, inputs), cache,
-                                        None if parents is None else on_device(parents), logits_positions,
-                                        hidden_layers)
+            return self.adapter.compute_on_device(inputs, cache, parents, logits_positions, hidden_layers)
         for buf, x in zip(tree_flatten(g.inputs)[0], tree_flatten(inputs)[0]):
             copy_in(buf, x)
         if parents is not None:
@@ -192,6 +188,24 @@ class GraphedAdapter:
     graphs: ForwardGraphs | None
     bucket_trees: bool
 
+    def _init_graphs(self, cuda_graphs: bool | None, max_seq_tokens: int, bucket_trees: bool | None = None) -> None:
+        """``graphs`` (``cuda_graphs``: default on for a model on CUDA), ``bucket_trees`` (default: with graphs) and
+        the per-batch-size caches the graphs are bound to."""
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
+        self.graphs = ForwardGraphs(self, max_seq_tokens=max_seq_tokens) if cuda_graphs else None
+        self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
+        self._caches = {}
+
+    def compute_on_device(self, inputs, cache, parents: torch.Tensor | None, logits_positions: slice | None,
+                          hidden_layers: tuple[int, ...]) -> RunnerOutput:
+        """``compute`` eagerly, the inputs moved to the adapter's device first (callers may pass host tensors)."""
+        on_device = lambda t: to_device(t, self.device)      # noqa: E731
+        return self.compute(tree_map(on_device, inputs), cache, None if parents is None else on_device(parents),
+                            logits_positions, hidden_layers)
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache, parents: torch.Tensor | None = None,
                 logits_positions: slice | None = None, hidden_layers: tuple[int, ...] = ()) -> RunnerOutput:
@@ -212,9 +226,7 @@ class GraphedAdapter:
         if self.graphs is not None and self.graphs.supports(input_ids, parents):
             out = self.graphs.forward(input_ids, cache, parents, logits_positions, hidden_layers)
         else:
-            on_device = lambda t: to_device(t, self.device)      # noqa: E731  (callers may pass host tensors)
-            out = self.compute(tree_map(on_device, input_ids), cache, None if parents is None else on_device(parents),
-                                logits_positions, hidden_layers)
+            out = self.compute_on_device(input_ids, cache, parents, logits_positions, hidden_layers)
         if parents is not None and num_tokens(input_ids) != T:
             out = RunnerOutput(out.logits[:, :T], tuple(h[:, :T] for h in out.hidden_states))
         return out

@@ -32,7 +32,7 @@ from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
 from specla_hf.drafters.options import MAX_TREE_BUCKET
 from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, ForwardGraphs, GraphedAdapter, tree_bucket
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
 from specla_hf.models.tree_attention import KVView, attention_inputs
 from specla_kernels import ops
 
@@ -80,14 +80,7 @@ class HybridRunner(GraphedAdapter):
         self.config = self.decoder.config
         self.built_for = (model.device, model.dtype)
         self.blocks = self.decoder.layers
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
-        self.graphs = (ForwardGraphs(self, max_seq_tokens=DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS)
-                       if cuda_graphs else None)
-        self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
-        self._caches: dict[int, SpecLACache] = {}
+        self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
 
