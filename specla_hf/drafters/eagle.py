@@ -41,7 +41,7 @@ from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.modules import RMSNorm
 from specla_hf.drafters.base import DraftBuffers, DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
-from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, ForwardGraphs
+from specla_hf.models.graphed import DRAFT_SEQ_TOKENS
 from specla_hf.runtime.transfer import copy_in, to_device
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.fla_gdn import GDNRunner
@@ -196,38 +196,40 @@ class SpecLADrafter(PreTrainedModel):
         return EagleDrafter(self, target, options)
 
 
-class _BlockRunner(GDNRunner):
-    """``GDNRunner``'s machinery (tree verification and factors, CUDA graphs, tree buckets) on the drafter's block.
+class TargetBoundRunner:
+    """A drafter's adapter that reads its target's embeddings and LM head: one per drafter and target, kept on the
+    drafter (``for_drafter``), so the graphs captured in one generate() call serve the next ones."""
 
-    A call's inputs are ``(fused features [1, T, H], tokens [1, T], *more)`` instead of token ids (``more``: further
-    arguments of the drafter's ``block_input``, e.g. ``SpecLADartDrafter``'s slots); its ``logits`` are the
-    draft log-probs (fp32) and its one hidden state the drafter's output ``h``. The runner lives on the drafter
-    (``for_drafter``), so the graphs captured in one generate() call serve the next ones.
-    """
-
-    def __init__(self, drafter: SpecLADrafter, target, cuda_graphs: bool | None = None):
-        # not GDNRunner.__init__: that one checks and wraps a whole GatedDeltaNetForCausalLM
-        self.model = drafter
-        self.config = drafter.config
+    def _bind_target(self, drafter, target, cuda_graphs: bool | None) -> None:
+        """Not the adapter's own ``__init__``: that one checks and walks a whole target model."""
+        self.model, self.target = drafter, target
         self.built_for = (drafter.device, drafter.dtype)
-        self.target = target
         self.embeddings = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.blocks = [drafter.block]
-        self.mixers = [drafter.block.attn]
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
-        self.graphs = ForwardGraphs(self, max_seq_tokens=DRAFT_SEQ_TOKENS) if cuda_graphs else None
-        self.bucket_trees = cuda_graphs
-        self._caches = {}
+        self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS)
 
     @classmethod
-    def for_drafter(cls, drafter: SpecLADrafter, target) -> _BlockRunner:
+    def for_drafter(cls, drafter, target):
         runner = drafter.__dict__.get("_specla_runner")
         if runner is None or runner.target is not target or runner.built_for != (drafter.device, drafter.dtype):
             runner = cls(drafter, target)
             drafter.__dict__["_specla_runner"] = runner
         return runner
+
+
+class _BlockRunner(TargetBoundRunner, GDNRunner):
+    """``GDNRunner``'s machinery (tree verification and factors, CUDA graphs, tree buckets) on the drafter's block.
+
+    A call's inputs are ``(fused features [1, T, H], tokens [1, T], *more)`` instead of token ids (``more``: further
+    arguments of the drafter's ``block_input``, e.g. ``SpecLADartDrafter``'s slots); its ``logits`` are the
+    draft log-probs (fp32) and its one hidden state the drafter's output ``h``.
+    """
+
+    def __init__(self, drafter: SpecLADrafter, target, cuda_graphs: bool | None = None):
+        self.config = drafter.config
+        self.blocks = [drafter.block]
+        self.mixers = [drafter.block.attn]
+        self._bind_target(drafter, target, cuda_graphs)
 
     def compute(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         fused, tokens, *more = inputs                 # more: what the drafter's block_input takes beyond these

@@ -42,9 +42,8 @@ from specla_hf.cache import SpecLAAttentionLayer, SpecLACache
 from specla_hf.drafters import mtp_checkpoint
 from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
-from specla_hf.drafters.eagle import EagleDrafter
+from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, ForwardGraphs
 from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, text_decoder
 from specla_hf.models.tree_attention import KVView, attention_inputs
 
@@ -168,7 +167,7 @@ class MTPDrafter(nn.Module):
         return MTPTreeDrafter(self, target, options)
 
 
-class _MTPRunner(HybridRunner):
+class _MTPRunner(TargetBoundRunner, HybridRunner):
     """The MTP head over its own ``SpecLACache`` (one ``SpecLAAttentionLayer``): ``EagleDrafter``'s drafter adapter,
     with ``HybridRunner``'s caches (a fixed capacity under CUDA graphs, reserved by ``new_cache(max_length=...)``) and
     graphed calls (``GraphedAdapter``: catch-up sequences and prompts as chains, tree buckets, commits).
@@ -176,31 +175,13 @@ class _MTPRunner(HybridRunner):
     A call's inputs are ``(hidden [1, T, H], tokens [1, T])``: the hidden states each position reads and the tokens
     whose target embeddings it reads; its ``logits`` are the draft log-probs (fp32), its one hidden state the layer's
     output ``o`` (what child nodes read). Consuming extends the committed positions; tree nodes (``parents``) are
-    pending entries seen by their descendants only, until ``SpecLACache.commit`` keeps the accepted path. The runner
-    lives on the head (``for_drafter``), one per target, so the graphs captured in one generate() call serve the next.
+    pending entries seen by their descendants only, until ``SpecLACache.commit`` keeps the accepted path.
     """
 
     def __init__(self, mtp: MTPDrafter, target, cuda_graphs: bool | None = None):
-        # not HybridRunner.__init__: that one checks and walks a whole hybrid model
-        self.model, self.target = mtp, target
-        self.built_for = (mtp.device, mtp.dtype)
-        self.embeddings = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self._bind_target(mtp, target, cuda_graphs)
         self.rotary_emb = text_decoder(target).rotary_emb
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
-        self.graphs = ForwardGraphs(self, max_seq_tokens=DRAFT_SEQ_TOKENS) if cuda_graphs else None
-        self.bucket_trees = cuda_graphs
-        self._caches: dict[int, SpecLACache] = {}
         self.last_cache: SpecLACache | None = None
-
-    @classmethod
-    def for_drafter(cls, mtp: MTPDrafter, target) -> _MTPRunner:
-        runner = mtp.__dict__.get("_specla_runner")
-        if runner is None or runner.target is not target or runner.built_for != (mtp.device, mtp.dtype):
-            runner = cls(mtp, target)
-            mtp.__dict__["_specla_runner"] = runner
-        return runner
 
     def _make_cache(self, batch_size: int, capacity: int, fixed: bool) -> SpecLACache:
         attn = self.model.layer.mtp_block.self_attn
