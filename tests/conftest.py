@@ -1,6 +1,10 @@
 """Small random GDN models for CPU tests."""
 from __future__ import annotations
 
+import json
+import lzma
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +14,19 @@ import specla_hf  # noqa: F401  (installs the CPU torch path and generate(assist
 # threads spin-wait on each other for ~0.1 s per op
 torch.set_num_threads(1)
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+
+COMMON_WORDS = "the of and to in is that for it as with was on be by at this from".split()
+
+
+def write_word_corpus(path: Path, gen: torch.Generator, docs: int = 40) -> Path:
+    """``docs`` documents of 300 common words drawn with ``gen`` as JSON lines with a "text" field (xz-compressed for
+    a ``.xz`` path): the corpus the drafter-training smoke runs read."""
+    with (lzma.open if path.suffix == ".xz" else open)(path, "wt") as f:
+        for _ in range(docs):
+            idx = torch.randint(0, len(COMMON_WORDS), (300,), generator=gen)
+            f.write(json.dumps({"text": " ".join(COMMON_WORDS[i] for i in idx)}) + "\n")
+    return path
 
 
 # model variants every runner test covers (``tiny_gdn`` keyword arguments)

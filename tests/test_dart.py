@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_gdn
+from conftest import tiny_gdn, write_word_corpus
 from specla_hf import DraftOptions, SpecLADartConfig, SpecLADartDrafter, SpecLADrafter, SpecLADrafterConfig
 from specla_hf.drafters.ngram import bigram_logp, bigram_table
 
@@ -157,13 +157,8 @@ def test_greedy_identical_to_plain(target, dart, tree):
 # ---------------------------------------------------------------------------------------------------------------
 def test_cpu_smoke_training_lowers_the_loss_and_starts_from_an_eagle_drafter(tmp_path):
     from specla_hf.training import train_drafter
-    words = "the of and to in is that for it as with was on be by at this from".split()
-    gen = torch.Generator().manual_seed(0)
-    with open(tmp_path / "corpus.jsonl", "w") as f:
-        for _ in range(30):
-            f.write(json.dumps({"text": " ".join(words[i] for i in torch.randint(0, len(words), (300,),
-                                                                                 generator=gen))}) + "\n")
-    common = ["--cpu-smoke", "--corpus", str(tmp_path / "corpus.jsonl"), "--sequences", "16", "--gen-len", "32",
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl", torch.Generator().manual_seed(0), docs=30)
+    common = ["--cpu-smoke", "--corpus", str(corpus), "--sequences", "16", "--gen-len", "32",
               "--eval-every-s", "1000", "--final-eval-s", "1", "--dart-slots", "3"]
     train_drafter.main(common + ["--out", str(tmp_path / "dart"), "--steps", "12"])
     log = json.loads((tmp_path / "dart" / "train_log.json").read_text())

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList, 
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TopKLogitsWarper
 
 import test_generate
-from conftest import tiny_gdn
+from conftest import tiny_gdn, write_word_corpus
 from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig, speculative_decode
 from specla_hf.drafters.base import DraftBuffers
 from specla_hf.drafters.eagle import EagleDrafter
@@ -248,17 +248,18 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
     assert int(eagle.last_tree.tokens[0]) == int(seq[0, last_root])
 
 
-def test_tree_sampling_is_lossless(monkeypatch):
+def test_tree_sampling_is_lossless():
     """Chi-square test of (x1, x2) against the target's exact law (test_generate's helpers, drafted by EagleDrafter).
     2000 draws: a shift of ~4% of probability mass between two likely tokens is caught."""
     torch.manual_seed(1234)
     target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
     drafter = make_drafter(target, seed=31, head_dim=8)
-    monkeypatch.setattr(test_generate, "GDNDrafter", lambda model, options: model.candidate_generator(target, options))
     ids = torch.tensor([[1, 5, 2]])
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
     p1, p2 = test_generate._exact_first_two(target, ids, procs)
-    c1, c12 = test_generate._sample_counts(target, drafter, ids, 2000, True, procs)
+    options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
+    c1, c12, _ = test_generate._sample_counts(GDNRunner(target), lambda: drafter.candidate_generator(target, options),
+                                              ids, 2000, procs)
     assert test_generate._chisq_pvalue(c1, p1) > 1e-3
     assert test_generate._chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
 
@@ -327,15 +328,10 @@ def test_early_stop_read_one_depth_late_gives_the_tree_of_drafting_every_depth(t
 # ---------------------------------------------------------------------------------------------------------------
 def test_cpu_smoke_training_lowers_the_loss_resumes_and_drafts_losslessly(tmp_path, capsys):
     from specla_hf.training import train_drafter
-    import lzma
-    words = "the of and to in is that for it as with was on be by at this from".split()
     gen = torch.Generator().manual_seed(0)
-    with lzma.open(tmp_path / "corpus.jsonl.xz", "wt") as f:
-        for _ in range(40):
-            idx = torch.randint(0, len(words), (300,), generator=gen)
-            f.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl.xz", gen)
     out = tmp_path / "out"
-    common = ["--cpu-smoke", "--corpus", str(tmp_path / "corpus.jsonl.xz"), "--out", str(out), "--sequences", "16",
+    common = ["--cpu-smoke", "--corpus", str(corpus), "--out", str(out), "--sequences", "16",
               "--gen-len", "32", "--eval-every-s", "1000", "--final-eval-s", "1"]
     train_drafter.main(common + ["--steps", "10"])
     first = json.loads((out / "train_log.json").read_text())

@@ -3,12 +3,11 @@ from the hybrid's GDN fields, decode-time features equal to training's, lossless
 training) and the layer-skip drafter."""
 import copy
 import json
-import lzma
 
 import pytest
 import torch
 
-from conftest import tiny_gdn
+from conftest import tiny_gdn, write_word_corpus
 from hybrid_models import FAMILIES, tiny_hybrid, tiny_qwen3_5_vl
 
 # a small vocabulary, so that even random drafters get some drafts accepted
@@ -118,14 +117,10 @@ def test_cpu_smoke_training_for_a_hybrid_target(tmp_path):
     """``specla-train-drafter --cpu-smoke --family qwen3_5``: a random Qwen3.5 target writes the text, the loss
     falls, and the saved drafter drafts for that target losslessly, chain and tree."""
     from specla_hf.training import train_drafter
-    words = "the of and to in is that for it as with was on be by at this from".split()
     gen = torch.Generator().manual_seed(0)
-    with lzma.open(tmp_path / "corpus.jsonl.xz", "wt") as f:
-        for _ in range(40):
-            idx = torch.randint(0, len(words), (300,), generator=gen)
-            f.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
+    corpus = write_word_corpus(tmp_path / "corpus.jsonl.xz", gen)
     out = tmp_path / "out"
-    train_drafter.main(["--cpu-smoke", "--family", "qwen3_5", "--corpus", str(tmp_path / "corpus.jsonl.xz"),
+    train_drafter.main(["--cpu-smoke", "--family", "qwen3_5", "--corpus", str(corpus),
                         "--out", str(out), "--steps", "15", "--eval-every-s", "1000", "--final-eval-s", "1"])
     log = json.loads((out / "train_log.json").read_text())
     assert log["steps"] == 15 and log["error"] is None
