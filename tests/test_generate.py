@@ -159,6 +159,7 @@ def _exact_first_two(model, ids, processors):
 def _chisq_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     from scipy.stats import chisquare
     n = counts.sum()
+    probs = probs.double() / probs.double().sum()          # scipy wants the totals equal to ~1e-8
     keep = probs * n >= 5            # pool tiny cells
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]]).double()
     exp = torch.cat([probs[keep] * n, (probs[~keep] * n).sum()[None]]).double()
@@ -168,20 +169,21 @@ def _chisq_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
-def _sample_counts(target, drafter, ids, draws, tree, processors):
-    """Draw (x1, x2) with the loop generate() runs (called directly: 5000 generate() calls cost minutes on CPU)."""
-    V = target.config.vocab_size
-    c1, c12 = torch.zeros(V), torch.zeros(V * V)
-    runner = GDNRunner(target)
+def _sample_counts(runner, new_drafter, ids, draws, processors) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Draw (x1, x2) ``draws`` times with the loop generate() runs on the adapter ``runner``, a fresh drafter from
+    ``new_drafter()`` each time (called directly: thousands of generate() calls cost minutes on CPU): the counts of
+    x1, of the pair (x1 * V + x2), and the draft tokens accepted over all draws."""
+    V = runner.config.vocab_size
+    c1, c12, accepted = torch.zeros(V), torch.zeros(V * V), 0
     stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2)])
-    options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0)
     for _ in range(draws):
-        out, *_ = speculative_decode(runner, GDNDrafter(drafter, options), ids, processors, stop, do_sample=True,
-                                     max_length=ids.shape[1] + 2)
+        out, stats, *_ = speculative_decode(runner, new_drafter(), ids, processors, stop, do_sample=True,
+                                            max_length=ids.shape[1] + 2)
         x1, x2 = out[0, -2].item(), out[0, -1].item()
         c1[x1] += 1
         c12[x1 * V + x2] += 1
-    return c1, c12
+        accepted += sum(stats.accepted)
+    return c1, c12, accepted
 
 
 def test_generate_samples_through_the_same_loop(target, bad_drafter):
@@ -208,7 +210,8 @@ def test_sampling_is_lossless(tree):
     ids = torch.tensor([[1, 5, 2]])
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
     p1, p2 = _exact_first_two(target, ids, procs)
-    c1, c12 = _sample_counts(target, drafter, ids, 5000, tree, procs)
+    options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0)
+    c1, c12, _ = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 5000, procs)
     assert _chisq_pvalue(c1, p1) > 1e-3
     assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
     # power: moving 2% of the mass between two likely tokens must be caught at this sample size
@@ -230,7 +233,9 @@ def test_a_wrong_acceptance_rule_fails_the_sampling_test(monkeypatch):
     drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
     ids = torch.tensor([[1, 5, 2]])
     p1, _ = _exact_first_two(target, ids, LogitsProcessorList())
-    c1, _ = _sample_counts(target, drafter, ids, 2000, False, LogitsProcessorList())
+    options = draft_options(tree=False, confidence_threshold=0.0)
+    c1, _, _ = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 2000,
+                              LogitsProcessorList())
     assert _chisq_pvalue(c1, p1) < 1e-3
 
 

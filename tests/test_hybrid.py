@@ -5,12 +5,13 @@ import inspect
 
 import pytest
 import torch
-from transformers import (LogitsProcessorList, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList,
-                          TemperatureLogitsWarper, TopKLogitsWarper)
+from transformers import (LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
+                          TopKLogitsWarper)
 from transformers.generation.streamers import BaseStreamer
 
 from hybrid_models import FAMILIES, VOCAB, tiny_hybrid, tiny_qwen3_5_vl
-from specla_hf import GDNDrafter, speculative_decode
+from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
+from specla_hf import GDNDrafter
 from specla_hf.cache import SpecLAAttentionLayer, SpecLALayer
 from specla_hf.generation import draft_options
 from specla_hf.models import adapter_for, transformers_backend
@@ -273,29 +274,6 @@ def test_eos_streamer_scores_and_stopping_criteria():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def _exact_first_two(model, ids, processors):
-    """Exact law of (x1, x2) under plain sampling with the same processors."""
-    with torch.no_grad():
-        p1 = processors(ids, model(ids).logits[:, -1].float()).softmax(-1)[0]
-        seqs = torch.cat([ids.expand(p1.numel(), -1), torch.arange(p1.numel())[:, None]], 1)
-        l2 = model(seqs).logits[:, -1].float()
-        p2 = torch.stack([processors(seqs[i:i + 1], l2[i:i + 1])[0] for i in range(p1.numel())]).softmax(-1)
-    return p1, p2
-
-
-def _chisq_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    from scipy.stats import chisquare
-    n = counts.sum()
-    probs = probs.double() / probs.double().sum()          # scipy wants the totals equal to ~1e-8
-    keep = probs * n >= 5            # pool tiny cells
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]]).double()
-    exp = torch.cat([probs[keep] * n, (probs[~keep] * n).sum()[None]]).double()
-    if exp[-1] < 5:
-        obs, exp = obs[:-1], exp[:-1]
-        exp = exp * obs.sum() / exp.sum()
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
 def test_sampling_is_lossless():
     """3000 draws of (x1, x2) on a vocabulary of 8 through the loop generate() runs, drafting trees of three
     children per node (called directly: thousands of generate() calls cost minutes): the first token and the pair
@@ -306,17 +284,9 @@ def test_sampling_is_lossless():
     ids = torch.tensor([[1, 5, 2]])
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
     p1, p2 = _exact_first_two(target, ids, procs)
-    draws, V = 3000, 8
-    c1, c12 = torch.zeros(V), torch.zeros(V * V)
-    runner = HybridRunner(target)
+    draws = 3000
     options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
-    stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2)])
-    for _ in range(draws):
-        out, *_ = speculative_decode(runner, GDNDrafter(drafter, options), ids, procs, stop, do_sample=True,
-                                     max_length=ids.shape[1] + 2)
-        x1, x2 = out[0, -2].item(), out[0, -1].item()
-        c1[x1] += 1
-        c12[x1 * V + x2] += 1
+    c1, c12, _ = _sample_counts(HybridRunner(target), lambda: GDNDrafter(drafter, options), ids, draws, procs)
     assert _chisq_pvalue(c1, p1) > 1e-3
     assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
     a, b = p1.topk(2).indices                 # power: the noncentrality of a 3.5% shift between two likely tokens

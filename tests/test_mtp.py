@@ -17,7 +17,8 @@ from transformers import (DynamicCache, LogitsProcessorList, MaxLengthCriteria, 
 
 from conftest import tiny_gdn
 from hybrid_models import VOCAB, spread_weights_, tiny_hybrid, tiny_qwen3_5_vl
-from test_hybrid import _chisq_pvalue, _exact_first_two, emulate_hybrid_graphs
+from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
+from test_hybrid import emulate_hybrid_graphs
 from specla_hf import MTPDrafter, speculative_decode
 from specla_hf.drafters import mtp_checkpoint
 from specla_hf.drafters.mtp import _MTPRunner
@@ -385,20 +386,10 @@ def test_sampling_is_lossless():
     ids = torch.tensor([[1, 5, 2]])
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
     p1, p2 = _exact_first_two(target, ids, procs)
-    draws, V = 2000, 8
-    c1, c12 = torch.zeros(V), torch.zeros(V * V)
-    runner = HybridRunner(target)
+    draws = 2000
     options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
-    stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2)])
-    accepted = 0
-    for _ in range(draws):
-        with torch.no_grad():
-            out, stats, _, _ = speculative_decode(runner, head.candidate_generator(target, options), ids, procs,
-                                                  stop, do_sample=True, max_length=ids.shape[1] + 2)
-        x1, x2 = out[0, -2].item(), out[0, -1].item()
-        c1[x1] += 1
-        c12[x1 * V + x2] += 1
-        accepted += stats.accepted[0]
+    c1, c12, accepted = _sample_counts(HybridRunner(target), lambda: head.candidate_generator(target, options), ids,
+                                       draws, procs)
     assert 0 < accepted < draws                  # drafts were accepted and rejected
     assert _chisq_pvalue(c1, p1) > 1e-3
     assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
