@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import tiny_gdn
-from tiny_checkpoints import greedy_text, save_tiny_checkpoints
+from tiny_checkpoints import greedy_text, hub_snapshot, save_tiny_checkpoints
 from specla_hf.app.loading import DEFAULT_DRAFTER, DEFAULT_TARGET, layer_skip_drafter
 from specla_hf.app.prompts import SHIPPED, load_prompts
 
@@ -190,10 +190,7 @@ def test_hub_ids_come_from_the_local_cache_first_and_fail_fast_when_the_hub_is_u
     """A Hub id in the local Hub cache loads with no network; one that is not fails in about as long as an offline
     lookup (HF_HUB_OFFLINE), not after half a minute of retries."""
     cache = tmp_path / "hub"
-    snapshot = cache / "models--someone--tiny-gdn" / "snapshots" / "0123abcd"
-    shutil.copytree(ckpts["target"], snapshot)
-    (cache / "models--someone--tiny-gdn" / "refs").mkdir()
-    (cache / "models--someone--tiny-gdn" / "refs" / "main").write_text("0123abcd")
+    shutil.copytree(ckpts["target"], hub_snapshot(cache, "someone/tiny-gdn", commit="0123abcd"))
     env = {"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": UNREACHABLE_HUB}
     cached, unreachable, offline = specla_all(
         (["generate", "--target", "someone/tiny-gdn", "--max-new-tokens", "4", "x"], env, None),

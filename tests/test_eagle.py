@@ -2,9 +2,6 @@
 and the training CLI's smoke mode."""
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaLi
 
 import test_generate
 from conftest import tiny_gdn, write_word_corpus
+from tiny_checkpoints import hub_snapshot, run_offline
 from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig, speculative_decode
 from specla_hf.drafters.base import DraftBuffers
 from specla_hf.drafters.eagle import EagleDrafter
@@ -67,18 +65,12 @@ def test_loads_by_repo_id_from_an_offline_hub_cache(drafter, tmp_path):
     """``from_pretrained("org/name")`` with HF_HUB_OFFLINE=1 reads the hub cache layout. huggingface_hub reads its
     environment at import, so the load runs in a fresh interpreter with the variables set."""
     cache = tmp_path / "hub"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = cache / "models--specla--tiny-drafter" / "snapshots" / commit
-    drafter.save_pretrained(snapshot)
-    (cache / "models--specla--tiny-drafter" / "refs").mkdir()
-    (cache / "models--specla--tiny-drafter" / "refs" / "main").write_text(commit)
+    drafter.save_pretrained(hub_snapshot(cache, "specla/tiny-drafter"))
     code = ("import torch, specla_hf\n"
             "from transformers import AutoModelForCausalLM\n"
             "m = AutoModelForCausalLM.from_pretrained('specla/tiny-drafter')\n"
             "print(type(m).__name__, sum(float(p.double().sum()) for p in m.parameters()))\n")
-    env = dict(os.environ, HF_HOME=str(tmp_path / "home"), HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    run = run_offline(code, cache, tmp_path / "home")
     assert run.returncode == 0, run.stderr[-3000:]
     name, checksum = run.stdout.split()[-2:]
     assert name == "SpecLADrafter"

@@ -16,6 +16,7 @@ from transformers import (DynamicCache, LogitsProcessorList, MaxLengthCriteria, 
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper)
 
 from conftest import tiny_gdn
+from tiny_checkpoints import hub_snapshot, run_offline
 from hybrid_models import VOCAB, spread_weights_, tiny_hybrid, tiny_qwen3_5_vl
 from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
 from test_hybrid import emulate_hybrid_graphs
@@ -123,17 +124,12 @@ def test_loads_by_repo_id_from_an_offline_hub_cache(released, tmp_path):
     """``from_pretrained("org/name")`` with HF_HUB_OFFLINE=1 reads the Hub cache's snapshot (huggingface_hub reads its
     environment at import: a fresh interpreter)."""
     folder, head, _, _ = released
-    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
-    repo = cache / "models--qwen--tiny-hybrid"
-    shutil.copytree(folder, repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
+    cache = tmp_path / "hub"
+    shutil.copytree(folder, hub_snapshot(cache, "qwen/tiny-hybrid"))
     code = ("import specla_hf\n"
             "m = specla_hf.MTPDrafter.from_pretrained('qwen/tiny-hybrid')\n"
             "print(sum(float(p.double().sum()) for p in m.parameters()))\n")
-    env = dict(os.environ, HF_HOME=str(tmp_path / "home"), HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    run = run_offline(code, cache, tmp_path / "home")
     assert run.returncode == 0, run.stderr[-3000:]
     checksum = sum(float(p.detach().double().sum()) for p in head.parameters())
     assert float(run.stdout.split()[-1]) == pytest.approx(checksum, rel=1e-12)

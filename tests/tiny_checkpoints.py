@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -51,3 +54,19 @@ def greedy_text(path: Path, prompt: str, n: int) -> str:
     ids = tok(prompt, return_tensors="pt").input_ids
     return tok.decode(model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:],
                       skip_special_tokens=True)
+
+
+def hub_snapshot(cache: Path, repo_id: str, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """The snapshot folder of ``repo_id`` in a Hugging Face Hub cache at ``cache``, with its ``main`` ref pointing to
+    it (the layout huggingface_hub reads without the network); the caller writes the snapshot's files."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+def run_offline(code: str, cache: Path, home: Path) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (huggingface_hub reads its environment at import) with HF_HUB_OFFLINE=1 and
+    ``cache`` as its Hub cache."""
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
