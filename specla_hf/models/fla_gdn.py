@@ -17,63 +17,39 @@ them (``specla_kernels.gemv``) and the recurrence updating the state in place.
 """
 from __future__ import annotations
 
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-import triton
 
 import fla.layers.gated_deltanet as fla_gdn
 from fla.layers.gated_deltanet import GatedDeltaNet
-from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel
 from fla.models import GatedDeltaNetForCausalLM
 from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter
+from specla_hf.models.one_token import fused_rows, recurrent_step_
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 
-def _fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: int = 1) -> torch.Tensor:
-    """``params`` concatenated along dim 0, cached on ``owner`` under ``key``, with each parameter re-pointed at its
-    rows of the result: one GEMM (or conv) then serves them all, weights are not stored twice, and in-place updates of
-    a parameter (optimizer steps, ``load_state_dict``'s ``copy_``) reach the fused tensor, so CUDA graphs reading it
-    stay in step. Rebuilt when a parameter is no longer that view (``model.to(...)``,
-    ``load_state_dict(assign=True)``, ``copy.deepcopy``): the cached tensor keeps its storage alive, so no other
-    tensor can have a view's ``data_ptr``. ``pad_to`` rounds the row count up with zero rows: cuBLAS picks a slow
-    GEMV for a batch-1 product whose output rows are not 16-byte aligned (q|k|v|g plus 2 x num_heads gate rows)."""
-    cached = owner.__dict__.get(key)
-    if cached is not None and cached[1] == tuple(p.data_ptr() for p in params):
-        return cached[0]
-    with torch.inference_mode(False):      # the parameters become views of it: they must stay usable by autograd
-        rows = sum(p.shape[0] for p in params)
-        pad = params[0].new_zeros(-rows % pad_to, *params[0].shape[1:])
-        fused = torch.cat([p.detach() for p in params] + [pad])
-    for p, view in zip(params, fused.split([p.shape[0] for p in params] + [pad.shape[0]])):
-        p.data = view
-    owner.__dict__[key] = (fused, tuple(p.data_ptr() for p in params))
-    return fused
-
-
 def fuse_mixer_weights(m: GatedDeltaNet) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """A mixer's fused weights (see ``_fused_rows``; idempotent): the input projections ``[q|k|v|g|a|b, hidden]``
+    """A mixer's fused weights (see ``fused_rows``; idempotent): the input projections ``[q|k|v|g|a|b, hidden]``
     (no g rows without ``use_gate``) and the q|k|v depthwise conv's weight ``[conv_dim, conv_size]`` and bias
     (``None`` without a short conv / conv bias)."""
     projs = [m.q_proj, m.k_proj, m.v_proj] + ([m.g_proj] if m.use_gate else []) + [m.a_proj, m.b_proj]
-    proj = _fused_rows(m, "_specla_fused_proj", [p.weight for p in projs], pad_to=64)
+    proj = fused_rows(m, "_specla_fused_proj", [p.weight for p in projs], pad_to=64)
     if not m.use_short_conv:
         return proj, None, None
     convs = [m.q_conv1d, m.k_conv1d, m.v_conv1d]
-    weight = _fused_rows(m, "_specla_fused_conv_weight", [c.weight for c in convs])[:, 0]   # [D, 1, W] -> [D, W]
-    bias = _fused_rows(m, "_specla_fused_conv_bias", [c.bias for c in convs]) if m.q_conv1d.bias is not None else None
+    weight = fused_rows(m, "_specla_fused_conv_weight", [c.weight for c in convs])[:, 0]   # [D, 1, W] -> [D, W]
+    bias = fused_rows(m, "_specla_fused_conv_bias", [c.bias for c in convs]) if m.q_conv1d.bias is not None else None
     return proj, weight, bias
 
 
 def fuse_mlp_weights(mlp: GatedMLP) -> torch.Tensor:
-    """An MLP's gate_proj and up_proj rows as one ``[gate | up, hidden]`` weight (see ``_fused_rows``; idempotent)."""
-    return _fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+    """An MLP's gate_proj and up_proj rows as one ``[gate | up, hidden]`` weight (see ``fused_rows``; idempotent)."""
+    return fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
 
 
 def projection_columns(m: GatedDeltaNet, projected: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -125,34 +101,6 @@ def supports_fused_step(model: GatedDeltaNetForCausalLM) -> bool:
                             mlp.up_proj, mlp.down_proj)):
             return False
     return model.config.fuse_norm and plain_norm(model.model.norm) and model.lm_head.bias is None
-
-
-def recurrent_step_(m: GatedDeltaNet, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
-                    b: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One token of batch 1 (1-D ``q, k [H*K]``, ``v [HV*V]``, raw gate inputs ``a, b [HV]``) through ``m``'s gated
-    delta rule; ``state [1, HV, V, K]`` is updated in place, the output ``o [HV*V]`` returned. With Triton: fla's
-    fused-recurrent kernel (the stock layer's, same math) launched with the state as its initial and its final state
-    (each program reads its block before writing it back), which saves the stock call's state allocation and copy.
-    Its pointers index token 0 of batch 0 only, so column slices of one projection row are valid inputs. (Kernels of
-    our own that take part in the GEMVs' programmatic dependent launch did not beat it on an H200: a one-token step
-    of 1.183 against 1.148 ms, and of 1.142 against 1.129-1.146 ms for a second design.)"""
-    H, HV, K, V = m.num_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-    if not ops.use_triton(q):
-        o, final = backend.gated_delta_rule(
-            q.view(1, 1, H, K), k.view(1, 1, H, K), v.view(1, 1, HV, V), g=a.view(1, 1, HV), beta=b.view(1, 1, HV),
-            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            A_log=m.A_log, dt_bias=m.dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=m.allow_neg_eigval,
-            state_v_first=True)
-        state.copy_(final)
-        return o.view(-1).to(v.dtype)
-    o = v.new_empty(HV * V)
-    BV = min(8, triton.next_power_of_2(V))      # as fla's wrapper launches it
-    fused_recurrent_gated_delta_rule_fwd_kernel[(triton.cdiv(V, BV) * HV,)](
-        q=q, k=k, v=v, g=a, gk=None, gv=None, beta=b, A_log=m.A_log, dt_bias=m.dt_bias, o=o, h0=state, ht=state,
-        cu_seqlens=None, scale=K ** -0.5, T=1, H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=True,
-        ALLOW_NEG_EIGVAL=m.allow_neg_eigval, STATE_V_FIRST=True, num_warps=1, num_stages=3)
-    return o
 
 
 class GDNRunner(GraphedAdapter):
@@ -253,7 +201,7 @@ class GDNRunner(GraphedAdapter):
                          conv=(layer.window[0], conv_weight, conv_bias))
             y, gate, a, b = projection_columns(m, p)          # y: q|k|v after the conv epilogue
             q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim])
-            o = recurrent_step_(m, q, k, v, a, b, layer.state)
+            o = recurrent_step_(q, k, v, a, b, layer.state, m.A_log, m.dt_bias, m.allow_neg_eigval)
             mixed = ops.gemv(m.o_proj.weight, o, norm=(m.o_norm.weight, m.o_norm.eps), gate=gate)
             mlp = block.mlp
             residual = torch.empty_like(h)

@@ -14,6 +14,10 @@ embedding, full-attention modules, LM head) and replaces only how the mixers kee
   committed length (each node sees the committed prefix and its own ancestors, itself included) and the rotary
   embedding at position ``prefix + depth(node)`` (``specla_hf.models.tree_attention``).
 - MLPs, dense or MoE, run on the tree's tokens as on any tokens: routing is per token.
+A GDN layer's four input projections run as one GEMM (``fuse_projections``). A one-token step of batch 1 of a Qwen3.5
+dense model (autoregressive decoding) goes further (``_decode_step``, ``supports_fused_step``): a GDN layer is four
+GEMVs and the recurrence, with the norms, the short conv, the gated norm, the residual adds and SwiGLU fused around the
+GEMVs (``specla_kernels.gemv``); an attention layer is the module's own call between a norm and the fused MLP.
 Nothing the host holds changes with the committed length, so the decode-path calls (the one-token step, tree
 verification per bucket, the commit, prompts as chains) of a target or a drafter run as CUDA graphs through
 ``GraphedAdapter``.
@@ -33,13 +37,17 @@ from specla_hf.drafters.options import MAX_TREE_BUCKET
 from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
+from specla_hf.models.one_token import fused_rows, recurrent_step_, unit_offset_weight
 from specla_hf.models.tree_attention import KVView, attention_inputs
 from specla_kernels import ops
+from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 # attention implementations that take an arbitrary 4D mask (a tree is not causal)
 MASKED_ATTENTION = ("eager", "sdpa")
 # positions a graphed cache holds when no generation length is given (direct calls of the adapter)
 GRAPHED_CAPACITY = 1024
+# RMSNorms that scale by ``1 + weight`` (computed in fp32)
+ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
 
 
 def text_decoder(model):
@@ -63,6 +71,48 @@ def check_hybrid_model(model, role: str = "target") -> None:
                                   "SpecLA's tree convolution applies SiLU")
 
 
+def fuse_projections(m) -> torch.Tensor | None:
+    """A Qwen3.5 GDN module's input projections as one ``[qkv | z | b | a, hidden]`` weight (``fused_rows``:
+    idempotent, the parameters become views of it); ``None`` for Qwen3-Next's interleaved ``in_proj_qkvz``."""
+    if not hasattr(m, "in_proj_qkv"):
+        return None
+    return fused_rows(m, "_specla_fused_proj", [m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
+                                                m.in_proj_a.weight], pad_to=64)
+
+
+def fuse_gate_up(mlp) -> torch.Tensor:
+    """A dense MLP's gate_proj and up_proj rows as one ``[gate | up, hidden]`` weight (``fused_rows``)."""
+    return fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
+def supports_fused_step(model) -> bool:
+    """Whether ``HybridRunner._decode_step`` computes this model's one-token step: Qwen3.5's GDN layout (separate
+    bias-free input projections, power-of-two value heads for the gated norm), dense SwiGLU MLPs, zero-centred
+    RMSNorms and GEMV inputs of at most 16384 features. Others (Qwen3-Next's interleaved projections, MoE blocks)
+    take the general path."""
+    decoder = text_decoder(model)
+    cfg = decoder.config
+    norms = [decoder.norm] + [n for b in decoder.layers for n in (b.input_layernorm, b.post_attention_layernorm)]
+    if any(type(n).__name__ not in ZERO_CENTRED_NORMS for n in norms) or model.lm_head.bias is not None:
+        return False
+    widths = [cfg.hidden_size]
+    for block, kind in zip(decoder.layers, cfg.layer_types):
+        mlp = block.mlp
+        if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) or hasattr(mlp, "experts"):
+            return False
+        linears = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        widths.append(mlp.down_proj.in_features)
+        if kind == "linear_attention":
+            m = block.linear_attn
+            if not hasattr(m, "in_proj_qkv") or m.head_v_dim & (m.head_v_dim - 1):
+                return False
+            linears += [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a, m.out_proj]
+            widths.append(m.value_dim)
+        if any(lin.bias is not None for lin in linears):
+            return False
+    return max(widths) <= GEMV_MAX_K      # the GEMVs hold their whole input in registers
+
+
 class HybridRunner(GraphedAdapter):
     """Drive one Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text decoder over a ``SpecLACache`` (see module docstring).
 
@@ -81,6 +131,7 @@ class HybridRunner(GraphedAdapter):
         self.built_for = (model.device, model.dtype)
         self.blocks = self.decoder.layers
         self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
+        self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
 
@@ -108,6 +159,8 @@ class HybridRunner(GraphedAdapter):
         ``max_length`` positions. With CUDA graphs the runner's one cache per batch size is reset and returned (the
         graphs are bound to its tensors); one too small for ``max_length`` (or ``GRAPHED_CAPACITY`` positions) is
         replaced, and the graphs bound to it are dropped, to be captured again."""
+        if self.fused_step:
+            self._unit_offset_norms()           # a weight updated since the graphs were captured: in place
         if self.graphs is None:
             capacity = 64 if max_length is None else max_length + MAX_TREE_BUCKET
             self.last_cache = self._make_cache(batch_size, capacity, fixed=False)
@@ -155,6 +208,10 @@ class HybridRunner(GraphedAdapter):
     # ------------------------------------------------------------------------------------------------------------
     def compute(self, input_ids, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         """``forward`` on device tensors, the tree as given (drafters call it)."""
+        if (self.fused_step and parents is None and not hidden_layers and isinstance(input_ids, torch.Tensor)
+                and input_ids.shape == (1, 1)):
+            logits = self._decode_step(input_ids, cache)
+            return RunnerOutput(logits if logits_positions is None else logits[:, logits_positions], ())
         B, T = input_ids.shape
         pending_before = cache.num_pending
         if parents is None:
@@ -181,6 +238,44 @@ class HybridRunner(GraphedAdapter):
             h = h[:, logits_positions]
         return RunnerOutput(self.model.lm_head(self.decoder.norm(h)), tuple(hidden))
 
+    def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
+        """One token of batch 1 (``supports_fused_step``). A GDN layer: the input projection GEMV (input norm before
+        it, short conv and window shift after it), the recurrence in place, the output projection (gated norm before
+        it); an attention layer: its norm and the module's own call. Then the MLP's gate|up (residual add and norm
+        before it) and down projection (SwiGLU before it, residual add after it). Computes the general path's step up
+        to summation order and where it rounds intermediates in a 16-bit dtype."""
+        cache.check_consumable()
+        h = self.decoder.embed_tokens(input_ids).view(-1)
+        attention = self._attention_inputs(h.view(1, 1, -1), cache, 0, False)
+        for block, kind, layer in zip(self.blocks, self.config.layer_types, cache.layers):
+            norm = block.input_layernorm
+            if kind == "linear_attention":
+                m = block.linear_attn
+                p = ops.gemv(fuse_projections(m), h, norm=(unit_offset_weight(norm), norm.eps),
+                             conv=(layer.window[0], m.conv1d.weight[:, 0], m.conv1d.bias))
+                q, k, v, z, b, a = torch.split(p, [m.key_dim, m.key_dim, m.value_dim, m.value_dim, m.num_v_heads,
+                                                   m.num_v_heads, p.numel() - m.conv_dim - m.value_dim
+                                                   - 2 * m.num_v_heads])[:6]     # q|k|v after the conv epilogue
+                o = recurrent_step_(q, k, v, a, b, layer.state, m.A_log, m.dt_bias)
+                mixed = ops.gemv(m.out_proj.weight, o, norm=(m.norm.weight, m.norm.variance_epsilon), gate=z)
+            else:
+                position_embeddings, mask = attention
+                mixed, _ = block.self_attn(hidden_states=norm(h.view(1, 1, -1)),
+                                           position_embeddings=position_embeddings, attention_mask=mask,
+                                           past_key_values=KVView(layer, pending=False))
+                mixed = mixed.view(-1)
+            post, residual = block.post_attention_layernorm, torch.empty_like(h)
+            x = ops.gemv(fuse_gate_up(block.mlp), mixed, norm=(unit_offset_weight(post), post.eps), add=h,
+                         add_out=residual)
+            h = ops.gemv(block.mlp.down_proj.weight, x, swiglu=True, residual=residual)
+        norm = self.decoder.norm
+        return ops.gemv(self.model.lm_head.weight, h, norm=(unit_offset_weight(norm), norm.eps)).view(1, 1, -1)
+
+    def _unit_offset_norms(self) -> None:
+        for norm in [self.decoder.norm] + [n for b in self.blocks for n in (b.input_layernorm,
+                                                                               b.post_attention_layernorm)]:
+            unit_offset_weight(norm)
+
     def _attention_inputs(self, h: torch.Tensor, cache: SpecLACache, pending_before: int,
                           tree: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """The attention layers' rotary embedding and mask for the new tokens (``tree_attention.attention_inputs``):
@@ -196,10 +291,14 @@ class HybridRunner(GraphedAdapter):
         ``[B, T, HV, V]`` and the gate inputs ``b``, ``a`` ``[B, T, HV]``. Qwen3-Next interleaves q, k, v, z (and b,
         a) per key-head group in one projection: its module's own ``fix_query_key_value_ordering`` splits them."""
         B, T, _ = h.shape
-        if hasattr(m, "in_proj_qkvz"):
+        fused = fuse_projections(m)
+        if fused is None:
             q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
             return torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], -1), z, b, a
-        return m.in_proj_qkv(h), m.in_proj_z(h).view(B, T, m.num_v_heads, m.head_v_dim), m.in_proj_b(h), m.in_proj_a(h)
+        x, z, b, a, _ = torch.split(F.linear(h, fused), [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads,
+                                                         fused.shape[0] - m.conv_dim - m.value_dim
+                                                         - 2 * m.num_v_heads], -1)
+        return x, z.view(B, T, m.num_v_heads, m.head_v_dim), b, a
 
     def _linear_attention(self, m, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None,
                           ancestors: torch.Tensor) -> torch.Tensor:
@@ -212,7 +311,10 @@ class HybridRunner(GraphedAdapter):
             o = self._consume(m, x, b, a, weight, layer)
         else:
             if not layer.x.shape[1]:                          # a fresh tree (every decoding step)
-                y = ops.tree_conv(x, weight, m.conv1d.bias, layer.window, parents)
+                # x may be a column slice of the projection GEMM: the conv reads it in place and writes the
+                # contiguous copy the factors keep on the way
+                x_slice, x = x, x.new_empty(x.shape)
+                y = ops.tree_conv(x_slice, weight, m.conv1d.bias, layer.window, parents, x_out=x)
             else:
                 x = x.contiguous()
                 y = ops.tree_conv(torch.cat([layer.x, x], 1), weight, m.conv1d.bias, layer.window, parents)[:, -T:]
