@@ -1,11 +1,13 @@
 """SpecLA's autoregressive loop (``generate(specla=True)``) and the fallback to it when speculation does not pay."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from conftest import tiny_gdn
-from specla_hf.loop.policy import FallbackPolicy
+from specla_hf.loop.policy import MAX_BACKOFF, FallbackMemory, FallbackPolicy, clear_fallback_memory, memory_key
 from specla_hf.models import adapter_for
 from test_cuda_graphs import emulate_graphs
 
@@ -88,3 +90,131 @@ def test_policy_judges_recent_steps_by_their_median():
     for _ in range(4):
         policy.observe(6.0, 3)                                 # 2 s a token against 1 s: fall back
     assert policy.verdict().startswith("speculation cost 2000.00 ms a token at tau 3.00")
+
+
+def modes(model, drafter, ids, calls: int, **kwargs) -> list[str]:
+    """Each call's mode as the loop reports it: 'ar' (autoregressive from the start), 'fell back after N', or
+    'speculated'; every output is checked against plain greedy decoding."""
+    plain = model.generate(ids, max_new_tokens=30, do_sample=False)
+    seen = []
+    for _ in range(calls):
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                             confidence_threshold=0.0, autoregressive_fallback=True, **kwargs)
+        stats = model.specla_stats
+        assert torch.equal(out, plain)
+        seen.append("ar" if stats.mode_reason.startswith("autoregressive from the start") else
+                    f"fell back after {stats.speculative_steps}" if stats.mode == "autoregressive" else "speculated")
+    return seen
+
+
+def test_a_call_after_a_fallback_starts_autoregressive_and_says_why(bad_drafter):
+    """Once a call fell back, the next call with the same drafter and settings decodes autoregressively from its
+    first step (no warm-up steps), says why and when it speculates again, and still equals plain decoding; the
+    re-probe after it judges by one fresh step plus the remembered ones."""
+    model = tiny_gdn(seed=74)
+    adapter_for(model).ar_step_seconds = 1e-9
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(74))
+    assert modes(model, bad_drafter, ids, 1) == ["fell back after 4"]
+    assert modes(model, bad_drafter, ids, 1) == ["ar"]
+    stats = model.specla_stats
+    assert stats.mode == "autoregressive" and stats.speculative_steps == 0 and stats.steps == 30
+    assert re.fullmatch(r"autoregressive from the start: in earlier calls speculation cost [\d.]+ ms a token at tau "
+                        r"[\d.]+, an autoregressive step 0.00 ms \(the last 4 speculative steps\); speculating again "
+                        r"on the next call", stats.mode_reason), stats.mode_reason
+    assert modes(model, bad_drafter, ids, 2) == ["fell back after 1", "ar"]
+    assert model.specla_stats.mode_reason.endswith("speculating again after 1 more call")
+    # autoregressive_fallback=False neither reads nor moves the memory
+    model.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=bad_drafter, confidence_threshold=0.0,
+                   autoregressive_fallback=False)
+    assert model.specla_stats.mode == "speculative" and model.specla_stats.mode_reason == ""
+    assert modes(model, bad_drafter, ids, 2) == ["ar", "fell back after 1"]
+
+
+def test_the_memory_is_kept_per_drafter_draft_shape_and_sampling_rule(bad_drafter):
+    """A fallback with one drafter and settings is not inherited by another drafter, another draft shape or other
+    sampling settings (each pays its own warm-up), and ``clear_fallback_memory`` forgets it."""
+    model = tiny_gdn(seed=75)
+    target = adapter_for(model)
+    target.ar_step_seconds = 1e-9
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(75))
+    assert modes(model, bad_drafter, ids, 1) == ["fell back after 4"]
+    assert modes(model, tiny_gdn(seed=76, hidden=32, layers=1), ids, 1) == ["fell back after 4"]
+    assert modes(model, bad_drafter, ids, 1, tree=True) == ["fell back after 4"]
+    for temperature in (0.8, 0.9):
+        model.generate(ids, max_new_tokens=30, do_sample=True, temperature=temperature, assistant_model=bad_drafter,
+                       confidence_threshold=0.0, autoregressive_fallback=True)
+        assert model.specla_stats.speculative_steps == 4, temperature
+    assert modes(model, bad_drafter, ids, 1) == ["ar"]
+    clear_fallback_memory(target)
+    assert modes(model, bad_drafter, ids, 1) == ["fell back after 4"]
+
+
+def test_the_back_off_doubles_and_speculation_that_pays_resets_it(bad_drafter):
+    """Autoregressive calls between re-probes: 1, 2, 4; then with the autoregressive step measured as (nearly)
+    endless, speculation pays at once and is kept to the end, which resets the back-off to 1 call."""
+    model = tiny_gdn(seed=77)
+    target = adapter_for(model)
+    target.ar_step_seconds = 1e-9
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(77))
+    probe = ["fell back after 1"]
+    assert modes(model, bad_drafter, ids, 10) == ["fell back after 4", "ar", *probe, "ar", "ar", *probe, *["ar"] * 4]
+    target.ar_step_seconds = 1e9
+    assert modes(model, bad_drafter, ids, 1) == ["speculated"]
+    target.ar_step_seconds = 1e-9
+    assert modes(model, bad_drafter, ids, 3) == [*probe, "ar", *probe]
+
+
+def simulated_call(memory: FallbackMemory, ar_seconds: float, steps: list[tuple[float, int]]) -> str:
+    """One call as ``speculative_decode`` drives the policy, over synthetic (seconds, tokens) steps."""
+    policy = FallbackPolicy(ar_seconds, memory)
+    if policy.start_autoregressive() is not None:
+        return "ar"
+    for n, (seconds, tokens) in enumerate(steps, 1):
+        policy.observe(seconds, tokens)
+        if policy.verdict() is not None:
+            policy.settle(fell_back=True)
+            return f"fell back after {n}"
+    policy.settle(fell_back=False)
+    return "speculated"
+
+
+def test_policy_backs_off_up_to_its_cap_and_resets_when_speculation_pays():
+    memory = FallbackMemory()
+    losing, paying = [(3.0, 2)] * 10, [(1.0, 4)] * 10           # 1.5 s and 0.25 s a token against a 1 s step
+    seen = [simulated_call(memory, 1.0, losing) for _ in range(1 + 2 + 3 + 5 + 9 + 17 + 17)]
+    probe = ["fell back after 1"]
+    assert seen == ["fell back after 4", "ar", *probe, *["ar"] * 2, *probe, *["ar"] * 4, *probe, *["ar"] * 8,
+                    *probe, *["ar"] * 16, *probe, *["ar"] * MAX_BACKOFF, *probe]
+    # the back-off skips calls only while the remembered steps lose against the current autoregressive step
+    assert memory.skip == MAX_BACKOFF and simulated_call(memory, 2.0, []) == "speculated"
+    assert memory.skip == MAX_BACKOFF and simulated_call(memory, 1.0, []) == "ar"
+    # a re-probe whose own steps pay keeps speculating though the history loses, and resets the back-off
+    memory.skip = 0
+    assert simulated_call(memory, 1.0, paying) == "speculated" and (memory.backoff, memory.skip) == (0, 0)
+    # a call that ends before it is judged (no step observed) leaves the back-off as it was
+    memory.backoff = memory.skip = 4
+    assert simulated_call(memory, 2.0, []) == "speculated" and (memory.backoff, memory.skip) == (4, 4)
+
+
+def test_policy_judges_one_fresh_step_with_the_remembered_ones():
+    memory = FallbackMemory(steps=[(3.0, 2)] * 8)
+    policy = FallbackPolicy(1.0, memory)
+    assert policy.verdict() is None                         # no step of its own yet
+    policy.observe(3.0, 2)
+    assert policy.verdict().startswith("speculation cost 1500.00 ms a token at tau 2.00")
+    assert len(memory.steps) == policy.window               # the memory keeps the judged window only
+
+
+def test_memory_key_tells_drafters_shapes_and_sampling_apart(bad_drafter):
+    from specla_hf.generation import draft_options, make_drafter
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper)
+
+    model = tiny_gdn(seed=78)
+    chain, tree = (make_drafter(model, bad_drafter, draft_options(tree=t)) for t in (False, True))
+    sampling = lambda t, k: LogitsProcessorList([TemperatureLogitsWarper(t), TopKLogitsWarper(k)])   # noqa: E731
+    assert memory_key(chain, sampling(0.7, 20), True) == memory_key(chain, sampling(0.7, 20), True)
+    keys = {memory_key(chain, LogitsProcessorList(), False), memory_key(tree, LogitsProcessorList(), False),
+            memory_key(chain, LogitsProcessorList(), True), memory_key(chain, sampling(0.7, 20), True),
+            memory_key(chain, sampling(0.8, 20), True), memory_key(chain, sampling(0.7, 50), True)}
+    assert len(keys) == 6

@@ -27,7 +27,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specla_hf.loop.acceptance import DeviceAcceptance, accept_path, greedy_accept
 from specla_hf.loop.autoregressive import ARDriver, ar_step_seconds
-from specla_hf.loop.policy import FallbackPolicy
+from specla_hf.loop.policy import FallbackPolicy, fallback_memory
 from specla_hf.loop.stats import SpecLAStats
 from specla_hf.loop.stopping import Stopping
 from specla_hf.runtime.graphs import tensors_in
@@ -194,10 +194,16 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     """Generate until a stopping criterion fires; returns (sequence, stats, processed scores, raw logits).
 
     ``drafter=None`` decodes autoregressively through the adapter. ``fallback``: switch to autoregressive decoding
-    once speculation costs more per token than an autoregressive step on this device (``loop.policy``)."""
+    once speculation costs more per token than an autoregressive step on this device, or start there while earlier
+    calls' speculation with this drafter and sampling rule lost (``loop.policy``)."""
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
-    policy = FallbackPolicy(ar_step_seconds(target)) if fallback and drafter is not None else None
+    policy = None
+    if fallback and drafter is not None:
+        policy = FallbackPolicy(ar_step_seconds(target), fallback_memory(target, drafter, logits_processor, do_sample))
+        stats.mode_reason = policy.start_autoregressive() or ""
+        if stats.mode_reason:
+            drafter = policy = None
     # the sequence grows on the host: the stopping criteria, the streamer and the drafter read it there, and nothing
     # in a greedy step waits for the GPU but the draft and the verify results
     device = input_ids.device
@@ -256,8 +262,10 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
                 driver, stats.mode = autoregressive(), "autoregressive"
                 stats.mode_reason = f"fell back after {stats.steps} speculative steps: {reason}"
     driver.finish()
-    if policy is not None and stats.mode == "speculative":
-        stats.mode_reason = policy.summary()
+    if policy is not None:
+        policy.settle(fell_back=stats.mode == "autoregressive")
+        if stats.mode == "speculative":
+            stats.mode_reason = policy.summary()
     stats.new_tokens = host_ids.shape[1] - prompt_len
     stats.total_time = time.perf_counter() - start
     return host_ids.to(device), stats, all_scores, all_logits
