@@ -156,6 +156,19 @@ def test_segments_colour_drafts_and_the_targets_token():
     assert _segments(tok, chunks, run)[-1] == ("de", DRAFT)
 
 
+def test_a_run_that_started_autoregressive_draws_no_tree():
+    """After calls whose speculation lost, a call may decode autoregressively from its first step (the fallback's
+    back-off): it verified no tree, and the SpecLA line says it never speculated."""
+    from specla_hf.app.demo import _last_tree_figure, _specla_line
+    from specla_hf.app.runs import DecodeSettings, Run
+    from specla_hf.loop.stats import SpecLAStats
+
+    stats = SpecLAStats(steps=3, new_tokens=3, draft_nodes=[0, 0, 0], accepted=[0, 0, 0], mode="autoregressive")
+    run, chunks = Run([5, 6, 7], 0.1, stats), [[5], [6], [7]]
+    assert _last_tree_figure(run, chunks, tokenizer=None) is None
+    assert _specla_line(chunks, 0.1, run, DecodeSettings()).endswith(" · autoregressive from the start")
+
+
 def test_page_draws_nothing_else_while_a_decoder_is_timed(ckpts, monkeypatch):
     """The streamed page times both decoders with the same ``compare`` as the API and the CLI, and while one runs it
     refreshes only that one's pane: no plot (matplotlib) and no other pane is sent during the timed runs, so that

@@ -243,7 +243,9 @@ def _specla_line(chunks: list[list[int]], seconds: float, run: Run | None, s: De
     if run is not None:
         line += f" · draft {run.stats.draft_time:.2f}s, verify {run.stats.verify_time:.2f}s"
         if run.stats.mode == "autoregressive":
-            line += f" · autoregressive after {run.stats.speculative_steps} speculative steps"
+            speculated = run.stats.speculative_steps
+            line += (f" · autoregressive after {speculated} speculative steps" if speculated else
+                     " · autoregressive from the start")
     return line
 
 
@@ -283,9 +285,11 @@ def steps_figure(run: Run) -> Figure:
     return fig
 
 
-def _last_tree_figure(run: Run, chunks: list[list[int]], tokenizer) -> Figure:
+def _last_tree_figure(run: Run, chunks: list[list[int]], tokenizer) -> Figure | None:
     """The last verified tree with what its step emitted: the speculative steps come first, one chunk each, and
-    autoregressive steps after a fallback verify no tree."""
+    autoregressive steps after a fallback verify no tree (none at all when the call started autoregressively)."""
+    if not run.stats.speculative_steps:
+        return None
     return tree_figure(run.tree, chunks[run.stats.speculative_steps - 1], tokenizer)
 
 
