@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fla.modules.activations import swiglu
+from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
 from specla_kernels.reference import (conv_sequence_ref, gdn_gate, recurrent_gated_delta_rule_ref,
                                       rms_norm_gated_ref as rms_norm_gated, rms_norm_ref as rms_norm)
 
@@ -147,6 +148,20 @@ def _conv_forward(self, x, residual=None, mask=None, cache=None, output_final_st
     if residual is not None:
         y = y + residual
     return y, (window if output_final_state else None)
+
+
+def rms_norm_scaled(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of ``x`` with the given scale (e.g. a zero-centred norm's fp32 ``1 + w``), or of ``x + residual``,
+    returning the norm and the sum: fla's kernel, or the torch path where that is chosen."""
+    prenorm = residual is not None
+    if _torch_wanted("modules", x):
+        return rms_norm(x, weight, None, eps, residual=residual, prenorm=prenorm)
+    return fla_rms_norm(x, weight, None, residual=residual, eps=eps, prenorm=prenorm)
+
+
+def swiglu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: fla's one-kernel SwiGLU, or the torch path where that is chosen."""
+    return F.silu(gate) * up if _torch_wanted("modules", gate) else swiglu(gate, up)
 
 
 def gated_mlp_down(mlp, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
 from specla_hf.drafters.options import MAX_TREE_BUCKET
 from specla_hf.models import ADAPTERS, transformers_backend
+from specla_hf.models import fla_backend as backend
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
 from specla_hf.models.one_token import fused_rows, recurrent_step_, unit_offset_weight
@@ -137,6 +138,7 @@ class HybridRunner(GraphedAdapter):
     """
 
     fused_step = False        # ``_decode_step`` serves one-token calls (``supports_fused_step``; set per model)
+    one_kernel_norms = False  # zero-centred norms as one kernel each (``_norm``; set per model)
 
     def __init__(self, model, role: str = "target", cuda_graphs: bool | None = None,
                  bucket_trees: bool | None = None):
@@ -148,6 +150,7 @@ class HybridRunner(GraphedAdapter):
         self.blocks = self.decoder.layers
         self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
+        self.one_kernel_norms = all(type(n).__name__ in ZERO_CENTRED_NORMS for n in self._norms())
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
 
@@ -175,8 +178,9 @@ class HybridRunner(GraphedAdapter):
         ``max_length`` positions. With CUDA graphs the runner's one cache per batch size is reset and returned (the
         graphs are bound to its tensors); one too small for ``max_length`` (or ``GRAPHED_CAPACITY`` positions) is
         replaced, and the graphs bound to it are dropped, to be captured again."""
-        if self.fused_step:
-            self._unit_offset_norms()           # a weight updated since the graphs were captured: in place
+        if self.one_kernel_norms:
+            for norm in self._norms():          # a weight updated since the graphs were captured: in place
+                unit_offset_weight(norm)
         if self.graphs is None:
             capacity = 64 if max_length is None else max_length + MAX_TREE_BUCKET
             self.last_cache = self._make_cache(batch_size, capacity, fixed=False)
@@ -239,20 +243,20 @@ class HybridRunner(GraphedAdapter):
         attention = self._attention_inputs(h, cache, pending_before, parents is not None)
         hidden = [h] if 0 in hidden_layers else []
         for i, (block, kind) in enumerate(zip(self.blocks, self.config.layer_types)):
-            x = block.input_layernorm(h)
+            x = self._norm(block.input_layernorm, h)
             if kind == "linear_attention":
                 x = self._linear_attention(block.linear_attn, x, cache.layers[i], all_parents, cache.ancestors)
             else:
                 position_embeddings, mask = attention
                 x, _ = block.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
                                        past_key_values=KVView(cache.layers[i], pending=parents is not None))
-            h = h + x
-            h = h + block.mlp(block.post_attention_layernorm(h))
+            x, h = self._norm(block.post_attention_layernorm, x, residual=h)
+            h = h + self._mlp(block.mlp, x)
             if i + 1 in hidden_layers:
                 hidden.append(h)
         if logits_positions is not None:
             h = h[:, logits_positions]
-        return RunnerOutput(self.model.lm_head(self.decoder.norm(h)), tuple(hidden))
+        return RunnerOutput(self.model.lm_head(self._norm(self.decoder.norm, h)), tuple(hidden))
 
     def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
         """One token of batch 1 (``supports_fused_step``). A GDN layer: the input projection GEMV (input norm before
@@ -301,11 +305,25 @@ class HybridRunner(GraphedAdapter):
         gate = qkv[:2 * H * D].view(H, 2, D)[:, 1]
         return ops.gemv(m.o_proj.weight, (o.view(H, D) * torch.sigmoid(gate)).view(-1))
 
-    def _unit_offset_norms(self) -> None:
+    def _norms(self) -> list:
+        """The decoder's RMSNorms: final, per block, and the attention layers' head norms."""
         norms = [self.decoder.norm] + [n for b in self.blocks for n in (b.input_layernorm, b.post_attention_layernorm)]
-        norms += [n for b in self.blocks if hasattr(b, "self_attn") for n in (b.self_attn.q_norm, b.self_attn.k_norm)]
-        for norm in norms:
-            unit_offset_weight(norm)
+        return norms + [n for b in self.blocks if hasattr(b, "self_attn") for n in (b.self_attn.q_norm,
+                                                                                   b.self_attn.k_norm)]
+
+    def _norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``, or ``(norm(x + residual), x + residual)``: one kernel for a zero-centred norm."""
+        if not self.one_kernel_norms:
+            return norm(x) if residual is None else (norm(x + residual), x + residual)
+        return backend.rms_norm_scaled(x, unit_offset_weight(norm), norm.eps, residual)
+
+    @staticmethod
+    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+        """A block's MLP: a dense one as one gate|up GEMM, SwiGLU and the down projection; MoE blocks as they are."""
+        if hasattr(mlp, "experts") or not hasattr(mlp, "gate_proj"):
+            return mlp(x)
+        gate, up = F.linear(x, fuse_gate_up(mlp)).chunk(2, -1)
+        return mlp.down_proj(backend.swiglu_product(gate, up))
 
     def _attention_inputs(self, h: torch.Tensor, cache: SpecLACache, pending_before: int,
                           tree: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -355,8 +373,12 @@ class HybridRunner(GraphedAdapter):
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
                                                     ancestors=ancestors)
             layer.add_factors(k_hat, u, g, x)
-        o = m.norm(o.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
-        return m.out_proj(o.view(B, T, m.value_dim))
+        if getattr(m.norm, "activation", None) in ("silu", "swish"):
+            # one kernel, reading the gate (a column slice of the projection) in place
+            o = ops.rms_norm_gated(o.to(h.dtype), z, m.norm.weight, None, m.norm.variance_epsilon, "swish")
+        else:
+            o = m.norm(o.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+        return m.out_proj(o.reshape(B, T, m.value_dim))
 
     @staticmethod
     def _heads(m, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
