@@ -5,8 +5,10 @@ import re
 
 import pytest
 import torch
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from conftest import tiny_gdn
+from specla_hf.generation import draft_options, make_drafter
 from specla_hf.loop.policy import MAX_BACKOFF, FallbackMemory, FallbackPolicy, clear_fallback_memory, memory_key
 from specla_hf.models import adapter_for
 from test_cuda_graphs import emulate_graphs
@@ -206,10 +208,6 @@ def test_policy_judges_one_fresh_step_with_the_remembered_ones():
 
 
 def test_memory_key_tells_drafters_shapes_and_sampling_apart(bad_drafter):
-    from specla_hf.generation import draft_options, make_drafter
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper)
-
     model = tiny_gdn(seed=78)
     chain, tree = (make_drafter(model, bad_drafter, draft_options(tree=t)) for t in (False, True))
     sampling = lambda t, k: LogitsProcessorList([TemperatureLogitsWarper(t), TopKLogitsWarper(k)])   # noqa: E731
