@@ -35,6 +35,8 @@ DEVICES = [
 # (B, H, HV, K, V) for fp32 / bf16 cases: tiny, non-power-of-two, grouped value heads on CPU; on CUDA the 1.3B layer
 # (bf16, as the model runs) and a grouped-value-head twin
 SHAPES = {"cpu": [(2, 1, 2, 20, 24), (1, 2, 2, 24, 40)], "cuda": [(2, 3, 6, 256, 512), (1, 6, 6, 256, 512)]}
+# Qwen3.5's GDN layers on CUDA (0.8B: 16 / 16 heads of 128; 9B: 16 / 32)
+QWEN3_5_SHAPES = [(1, 16, 16, 128, 128), (1, 16, 32, 128, 128)]
 # node counts per topology
 SIZES = {"cpu": dict(chain=19, star=7, deep=100, bushy=45, single=1, forest=23),
          "cuda": dict(chain=64, star=16, deep=128, bushy=100, single=1, forest=37)}
@@ -156,6 +158,24 @@ def test_tree_delta_matches_reference(device, kind, dtype, solve):
     assert all(torch.equal(a, b) for a, b in zip(given, (o, k_hat, u)))
     with pytest.raises(ValueError, match="ancestors"):
         tree_gated_delta_rule(q, k, v, g, beta, parents, state, ancestors=torch.ones(B, N, N + 1, dtype=torch.bool))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("shape", QWEN3_5_SHAPES, ids=["qwen3.5-0.8b", "qwen3.5-9b"])
+@pytest.mark.parametrize("kind", ["chain", "bushy", "single"])
+@MODEL_DTYPES
+def test_tree_delta_at_qwen3_5_shapes(shape, kind, dtype):
+    """The tree kernel at Qwen3.5's GDN head dims (128) and value-head grouping, against the reference."""
+    gen = seeded("qwen3.5", shape, kind, dtype)
+    B, H, HV, K, V = shape
+    N = SIZES["cuda"][kind]
+    q, k, v, g, beta, state = gdn_inputs(B, N, H, HV, K, V, dtype, "cuda", gen)
+    parents = random_parents(kind, B, N, gen).cuda()
+    o, k_hat, u = tree_gated_delta_rule(q, k, v, g, beta, parents, state)
+    o_ref, k_hat_ref, u_ref = ref.tree_gated_delta_rule_ref(q, k, v, g, beta, parents, state)
+    check(o, o_ref, TOL[dtype], "o")
+    check(k_hat, k_hat_ref, TOL[dtype], "k_hat")
+    check(u, u_ref, U_TOL[dtype], "u")
 
 
 @pytest.mark.parametrize("device", DEVICES)
