@@ -505,6 +505,23 @@ def test_fused_one_token_step_equals_the_general_path():
     assert fused.fused_step and (outputs[1] - outputs[0]).abs().max() > 1e-2        # the update mattered
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_are_fused_when_the_adapter_is_built(family):
+    """Every parameter points at its final storage once the adapter exists: a CUDA graph captured later reads it, and
+    one re-pointed after a capture (a prompt's chain graphs, then the one-token step) would leave that graph reading
+    freed memory (``one_token.fused_rows``)."""
+    model = tiny_hybrid(family, seed=6)
+    runner = HybridRunner(model)
+    before = {name: p.data_ptr() for name, p in model.named_parameters()}
+    cache = runner.new_cache(1, max_length=32)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(8))
+    runner.forward(ids[:, :6], cache, parents=torch.tensor([list(range(-1, 5))]))
+    runner.commit(cache, list(range(6)))
+    runner.forward(ids[:, 6:7], cache)
+    runner.forward(ids[:, 7:9], cache, parents=torch.tensor([[-1, 0]]))
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == before
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA graphs, emulated on a CPU (``StaticCall``'s re-runs stand in for replays: anything that a real replay would
 # not redo, a host integer baked into a graph, shows up as wrong tokens)

@@ -167,3 +167,17 @@ def test_inputs_wider_than_the_gemv_tile_take_the_general_path(monkeypatch):
     runner.forward(ids[:, :5], cache, logits_positions=slice(0, 0))
     torch.testing.assert_close(runner.forward(ids[:, 5:], cache).logits[:, -1], model(ids).logits[:, -1],
                                rtol=1e-4, atol=1e-5)
+
+
+def test_weights_are_fused_when_the_adapter_is_built():
+    """Every parameter points at its final storage once the adapter exists: a CUDA graph captured later reads it, and
+    one re-pointed after a capture would leave that graph reading freed memory (``one_token.fused_rows``)."""
+    model = tiny_gdn(seed=8)
+    runner = GDNRunner(model)
+    before = {name: p.data_ptr() for name, p in model.named_parameters()}
+    cache = runner.new_cache(1)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(8))
+    runner.forward(ids[:, :6], cache)
+    runner.forward(ids[:, 6:7], cache)
+    runner.forward(ids[:, 7:9], cache, parents=torch.tensor([[-1, 0]]))
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == before

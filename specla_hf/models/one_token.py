@@ -23,7 +23,9 @@ def fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: i
     stay in step. Rebuilt when a parameter is no longer that view (``model.to(...)``,
     ``load_state_dict(assign=True)``, ``copy.deepcopy``): the cached tensor keeps its storage alive, so no other
     tensor can have a view's ``data_ptr``. ``pad_to`` rounds the row count up with zero rows: cuBLAS picks a slow
-    GEMV for a batch-1 product whose output rows are not 16-byte aligned (q|k|v|g plus 2 x num_heads gate rows)."""
+    GEMV for a batch-1 product whose output rows are not 16-byte aligned (q|k|v|g plus 2 x num_heads gate rows).
+    Adapters fuse when they are built: a CUDA graph captured before a parameter is re-pointed keeps reading its old
+    storage, which the re-pointing frees (an illegal address once the allocator hands it out again)."""
     cached = owner.__dict__.get(key)
     if cached is not None and cached[1] == tuple(p.data_ptr() for p in params):
         return cached[0]

@@ -137,6 +137,11 @@ class HybridRunner(GraphedAdapter):
         self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
         self.one_kernel_norms = all(type(n).__name__ in ZERO_CENTRED_NORMS for n in self._norms())
+        for block, kind in zip(self.blocks, self.config.layer_types):   # before any graph reads the parameters
+            if kind == "linear_attention":                                # (``fused_rows``)
+                fuse_projections(block.linear_attn)
+            if self._dense(block.mlp):
+                fuse_gate_up(block.mlp)
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
 
@@ -276,10 +281,7 @@ class HybridRunner(GraphedAdapter):
     @staticmethod
     def _attention_step(m, h: torch.Tensor, norm, layer: SpecLAAttentionLayer, attention) -> torch.Tensor:
         """Attention module ``m`` on one token ``h [hidden]`` of batch 1: its input norm and its own call over the
-        cache, under the step's rotary embedding and mask. (A version with the q|gate, k, v projections as one GEMV
-        and the head norms, rotary and KV write as one kernel computed the same on CPU and on tiny models on the H200,
-        but hit an illegal address at the 0.8B-like shape in bf16, also with that kernel replaced by its torch
-        reference: not shipped.)"""
+        cache, under the step's rotary embedding and mask."""
         position_embeddings, mask = attention
         out, _ = m(hidden_states=norm(h.view(1, 1, -1)), position_embeddings=position_embeddings,
                    attention_mask=mask, past_key_values=KVView(layer, pending=False))
@@ -296,9 +298,12 @@ class HybridRunner(GraphedAdapter):
         return backend.rms_norm_scaled(x, unit_offset_weight(norm), norm.eps, residual)
 
     @staticmethod
-    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    def _dense(mlp) -> bool:
+        return hasattr(mlp, "gate_proj") and not hasattr(mlp, "experts")
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """A block's MLP: a dense one as one gate|up GEMM, SwiGLU and the down projection; MoE blocks as they are."""
-        if hasattr(mlp, "experts") or not hasattr(mlp, "gate_proj"):
+        if not self._dense(mlp):
             return mlp(x)
         gate, up = F.linear(x, fuse_gate_up(mlp)).chunk(2, -1)
         return mlp.down_proj(backend.swiglu_product(gate, up))
