@@ -81,6 +81,11 @@ def fuse_projections(m) -> torch.Tensor | None:
                                                 m.in_proj_a.weight], pad_to=64)
 
 
+def dense_mlp(mlp) -> bool:
+    """Whether a block's MLP is a dense SwiGLU (gate_proj, up_proj, down_proj), not an MoE block."""
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) and not hasattr(mlp, "experts")
+
+
 def fuse_gate_up(mlp) -> torch.Tensor:
     """A dense MLP's gate_proj and up_proj rows as one ``[gate | up, hidden]`` weight (``fused_rows``)."""
     return fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
@@ -99,7 +104,7 @@ def supports_fused_step(model) -> bool:
     widths = [cfg.hidden_size]
     for block, kind in zip(decoder.layers, cfg.layer_types):
         mlp = block.mlp
-        if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) or hasattr(mlp, "experts"):
+        if not dense_mlp(mlp):
             return False
         linears = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         widths.append(mlp.down_proj.in_features)
@@ -140,7 +145,7 @@ class HybridRunner(GraphedAdapter):
         for block, kind in zip(self.blocks, self.config.layer_types):   # before any graph reads the parameters
             if kind == "linear_attention":                                # (``fused_rows``)
                 fuse_projections(block.linear_attn)
-            if self._dense(block.mlp):
+            if dense_mlp(block.mlp):
                 fuse_gate_up(block.mlp)
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
@@ -252,9 +257,9 @@ class HybridRunner(GraphedAdapter):
     def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
         """One token of batch 1 (``supports_fused_step``). A GDN layer: the input projection GEMV (input norm before
         it, short conv and window shift after it), the recurrence in place, the output projection (gated norm before
-        it); an attention layer: ``_attention_step``. Then the MLP's gate|up (residual add and norm
-        before it) and down projection (SwiGLU before it, residual add after it). Computes the general path's step up
-        to summation order and where it rounds intermediates in a 16-bit dtype."""
+        it); an attention layer: ``_attention_step``. Then the MLP's gate|up (residual add and norm before it) and
+        down projection (SwiGLU before it, residual add after it). Computes the general path's step up to summation
+        order and where it rounds intermediates in a 16-bit dtype."""
         cache.check_consumable()
         h = self.decoder.embed_tokens(input_ids).view(-1)
         attention = self._attention_inputs(h.view(1, 1, -1), cache, 0, False)
@@ -298,12 +303,9 @@ class HybridRunner(GraphedAdapter):
         return backend.rms_norm_scaled(x, unit_offset_weight(norm), norm.eps, residual)
 
     @staticmethod
-    def _dense(mlp) -> bool:
-        return hasattr(mlp, "gate_proj") and not hasattr(mlp, "experts")
-
-    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
         """A block's MLP: a dense one as one gate|up GEMM, SwiGLU and the down projection; MoE blocks as they are."""
-        if not self._dense(mlp):
+        if not dense_mlp(mlp):
             return mlp(x)
         gate, up = F.linear(x, fuse_gate_up(mlp)).chunk(2, -1)
         return mlp.down_proj(backend.swiglu_product(gate, up))
