@@ -11,6 +11,7 @@ Shapes (``--shapes``):
 - ``9b``: transformers' default ``Qwen3_5TextConfig`` (9B), random weights, as ``0.8b``.
 
     python benchmarks/hybrid_bench.py --eval-dir data/eval --out $OUT
+    python benchmarks/hybrid_bench.py --eval-dir data/eval --out $OUT --shapes 0.8b --dtype float32   # tau sweep
 
 Writes ``hybrid_bench.json`` (records: model_shape, method, drafter, noise (controlled acceptance), tau, ms_per_token, graph_ar_ms_per_token (SpecLA's
 autoregressive decoding; ``ar_cuda_graphs`` says whether it ran as CUDA graphs), stock_ms_per_token, the ratios,
@@ -53,12 +54,11 @@ class OracleDrafts:
     with Gaussian noise of scale ``scale``. ``successor`` maps a token to the one that follows it in the target's own
     greedy continuation of the prompt (``expect``, before each prompt), so a draft is right where that bigram
     successor is the target's next token and stays on top of the noise; the noise scale sets how often. BOOST keeps
-    the oracle token's confidence near a real drafter's (~0.9 against 248K tokens at no noise). Measured: tau 6-8
-    at no noise on a small random model in fp32 on a CPU, but only ~1.2 at the 0.8B-like shape in bf16 on the H200
-    (2026-12-04): there the verify pass does not accept what the one-token step's continuation predicts. Not yet
-    established why: a random model's argmax in bf16 may be a near-tie that the two paths' roundings settle apart
-    (``--dtype float32`` tells), or the verify path differs at head dim 128, where the tree kernels have no GPU
-    test yet (``tests/test_kernels.py``'s CUDA shapes now include it)."""
+    the oracle token's confidence near a real drafter's (~0.9 against 248K tokens at no noise). A random model's
+    argmax is a near-tie in bf16, which the one-token path (the continuation) and the verify path round apart: at
+    the 0.8B-like shape cut to 4 layers on a CPU, tau at no noise is 7.0 in fp32 (every output equal to the
+    continuation) and 1.86 in bf16; ~1.2 on the H200 in bf16 with all 24 layers (2026-12-04). Sweep in fp32
+    (``--dtype float32``)."""
 
     BOOST = 15.0
 
