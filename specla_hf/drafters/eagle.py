@@ -230,6 +230,7 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         self.blocks = [drafter.block]
         self.mixers = [drafter.block.attn]
         self._bind_target(drafter, target, cuda_graphs)
+        self._fuse_weights()
 
     def compute(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         fused, tokens, *more = inputs                 # more: what the drafter's block_input takes beyond these

@@ -121,7 +121,11 @@ class GDNRunner(GraphedAdapter):
         self.mixers: list[GatedDeltaNet] = [block.attn for block in self.blocks]
         self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
-        for m, block in zip(self.mixers, self.blocks):  # before any graph reads the parameters (``fused_rows``)
+        self._fuse_weights()
+
+    def _fuse_weights(self) -> None:
+        """Fuse the blocks' weights now, before any graph reads the parameters (``one_token.fused_rows``)."""
+        for m, block in zip(self.mixers, self.blocks):
             fuse_mixer_weights(m)
             if block.mlp.hidden_act == "swish":
                 fuse_mlp_weights(block.mlp)
