@@ -135,13 +135,9 @@ class SpecLAAttentionLayer(CacheLayerMixin):
         if pending:
             self.num_pending += T
         else:
-            self.committed_grew(T)
+            self.length.add_(T)
+            self.bound += T
         return self.key_buffer, self.value_buffer
-
-    def committed_grew(self, T: int) -> None:
-        """``T`` keys and values were written after the committed positions, as committed ones."""
-        self.length.add_(T)
-        self.bound += T
 
     def commit_path(self, nodes: torch.Tensor, length: torch.Tensor) -> None:
         """Keep the pending nodes ``nodes[b, :length[b]]`` (a root-to-node path, root first) right after the committed

@@ -72,6 +72,11 @@ def check_hybrid_model(model, role: str = "target") -> None:
                                   "SpecLA's tree convolution applies SiLU")
 
 
+def hidden_norms(decoder) -> list:
+    """A decoder's hidden-size RMSNorms: the final one and each block's two."""
+    return [decoder.norm] + [n for b in decoder.layers for n in (b.input_layernorm, b.post_attention_layernorm)]
+
+
 def fuse_projections(m) -> torch.Tensor | None:
     """A Qwen3.5 GDN module's input projections as one ``[qkv | z | b | a, hidden]`` weight (``fused_rows``:
     idempotent, the parameters become views of it); ``None`` for Qwen3-Next's interleaved ``in_proj_qkvz``."""
@@ -98,8 +103,7 @@ def supports_fused_step(model) -> bool:
     take the general path."""
     decoder = text_decoder(model)
     cfg = decoder.config
-    norms = [decoder.norm] + [n for b in decoder.layers for n in (b.input_layernorm, b.post_attention_layernorm)]
-    if any(type(n).__name__ not in ZERO_CENTRED_NORMS for n in norms) or model.lm_head.bias is not None:
+    if any(type(n).__name__ not in ZERO_CENTRED_NORMS for n in hidden_norms(decoder)) or model.lm_head.bias is not None:
         return False
     widths = [cfg.hidden_size]
     for block, kind in zip(decoder.layers, cfg.layer_types):
@@ -141,7 +145,7 @@ class HybridRunner(GraphedAdapter):
         self.blocks = self.decoder.layers
         self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
-        self.one_kernel_norms = all(type(n).__name__ in ZERO_CENTRED_NORMS for n in self._norms())
+        self.one_kernel_norms = all(type(n).__name__ in ZERO_CENTRED_NORMS for n in hidden_norms(self.decoder))
         for block, kind in zip(self.blocks, self.config.layer_types):   # before any graph reads the parameters
             if kind == "linear_attention":                                # (``fused_rows``)
                 fuse_projections(block.linear_attn)
@@ -175,7 +179,7 @@ class HybridRunner(GraphedAdapter):
         graphs are bound to its tensors); one too small for ``max_length`` (or ``GRAPHED_CAPACITY`` positions) is
         replaced, and the graphs bound to it are dropped, to be captured again."""
         if self.one_kernel_norms:
-            for norm in self._norms():          # a weight updated since the graphs were captured: in place
+            for norm in hidden_norms(self.decoder):          # a weight updated since the graphs were captured: in place
                 unit_offset_weight(norm)
         if self.graphs is None:
             capacity = 64 if max_length is None else max_length + MAX_TREE_BUCKET
@@ -292,14 +296,13 @@ class HybridRunner(GraphedAdapter):
                    attention_mask=mask, past_key_values=KVView(layer, pending=False))
         return out.view(-1)
 
-    def _norms(self) -> list:
-        """The decoder's hidden-size RMSNorms: the final one and each block's two."""
-        return [self.decoder.norm] + [n for b in self.blocks for n in (b.input_layernorm, b.post_attention_layernorm)]
-
     def _norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``, or ``(norm(x + residual), x + residual)``: one kernel for a zero-centred norm."""
         if not self.one_kernel_norms:
-            return norm(x) if residual is None else (norm(x + residual), x + residual)
+            if residual is None:
+                return norm(x)
+            total = x + residual
+            return norm(total), total
         return backend.rms_norm_scaled(x, unit_offset_weight(norm), norm.eps, residual)
 
     @staticmethod
