@@ -135,9 +135,14 @@ class SpecLAAttentionLayer(CacheLayerMixin):
         if pending:
             self.num_pending += T
         else:
-            self.length.add_(T)
-            self.bound += T
+            self.committed_grew(T)
         return self.key_buffer, self.value_buffer
+
+    def committed_grew(self, T: int) -> None:
+        """``T`` keys and values were written after the committed positions (``make_room`` first), as committed
+        ones: by ``append``, or by a kernel that writes them itself (``ops.qk_norm_rope_append``)."""
+        self.length.add_(T)
+        self.bound += T
 
     def commit_path(self, nodes: torch.Tensor, length: torch.Tensor) -> None:
         """Keep the pending nodes ``nodes[b, :length[b]]`` (a root-to-node path, root first) right after the committed

@@ -15,6 +15,7 @@ from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import gate as _gate
 from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import gemv as _gemv
+from specla_kernels import qk_norm_rope as _qk_norm_rope
 from specla_kernels import topk as _topk
 from specla_kernels import tree_conv as _tree_conv
 from specla_kernels import tree_delta as _tree_delta
@@ -150,3 +151,15 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
     if use_triton(x):
         return _gemv.gemv(weight, x, **fused)
     return reference.gemv_ref(weight, x, **fused)
+
+
+def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor,
+                        length: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """One token of a Qwen3.5 gated attention layer from its projections to the attention: q/k head norms, rotary,
+    the key and value stored at slot ``length``; returns the queries (see ``qk_norm_rope_append_ref``)."""
+    if use_triton(qkv):
+        return _qk_norm_rope.qk_norm_rope_append(qkv, q_weight, k_weight, eps, cos, sin, key_buffer, value_buffer,
+                                                 length, num_heads)
+    return reference.qk_norm_rope_append_ref(qkv, q_weight, k_weight, eps, cos, sin, key_buffer, value_buffer,
+                                             length, num_heads)

@@ -17,7 +17,8 @@ embedding, full-attention modules, LM head) and replaces only how the mixers kee
 A GDN layer's four input projections run as one GEMM (``fuse_projections``). A one-token step of batch 1 of a Qwen3.5
 dense model (autoregressive decoding) goes further (``_decode_step``, ``supports_fused_step``): a GDN layer is four
 GEMVs and the recurrence, with the norms, the short conv, the gated norm, the residual adds and SwiGLU fused around the
-GEMVs (``specla_kernels.gemv``); an attention layer is the module's own call between its norm and the fused MLP.
+GEMVs (``specla_kernels.gemv``); an attention layer is its fused projection GEMV, one kernel for the head norms,
+rotary and KV write (``ops.qk_norm_rope_append``), the model's attention function and the output projection.
 Nothing the host holds changes with the committed length, so the decode-path calls (the one-token step, tree
 verification per bucket, the commit, prompts as chains) of a target or a drafter run as CUDA graphs through
 ``GraphedAdapter``.
@@ -31,6 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
 from specla_hf.drafters.options import MAX_TREE_BUCKET
@@ -96,6 +98,11 @@ def fuse_gate_up(mlp) -> torch.Tensor:
     return fused_rows(mlp, "_specla_fused_gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
 
 
+def fuse_qkv(m) -> torch.Tensor:
+    """A gated attention module's q (queries and output gates), k and v projections as one weight (``fused_rows``)."""
+    return fused_rows(m, "_specla_fused_qkv", [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])
+
+
 def supports_fused_step(model) -> bool:
     """Whether ``HybridRunner._decode_step`` computes this model's one-token step: Qwen3.5's GDN layout (separate
     bias-free input projections, power-of-two value heads for the gated norm), dense SwiGLU MLPs, zero-centred
@@ -118,6 +125,13 @@ def supports_fused_step(model) -> bool:
                 return False
             linears += [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a, m.out_proj]
             widths.append(m.value_dim)
+        else:
+            m = block.self_attn
+            if (type(m.q_norm).__name__ not in ZERO_CENTRED_NORMS or m.q_norm.eps != m.k_norm.eps
+                    or m.q_proj.out_features != 2 * m.config.num_attention_heads * m.head_dim):
+                return False
+            linears += [m.q_proj, m.k_proj, m.v_proj, m.o_proj]
+            widths.append(m.o_proj.in_features)
         if any(lin.bias is not None for lin in linears):
             return False
     return max(widths) <= GEMV_MAX_K      # the GEMVs hold their whole input in registers
@@ -149,6 +163,8 @@ class HybridRunner(GraphedAdapter):
         for block, kind in zip(self.blocks, self.config.layer_types):   # before any graph reads the parameters
             if kind == "linear_attention":                                # (``fused_rows``)
                 fuse_projections(block.linear_attn)
+            elif self.fused_step:
+                fuse_qkv(block.self_attn)
             if dense_mlp(block.mlp):
                 fuse_gate_up(block.mlp)
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
@@ -178,8 +194,10 @@ class HybridRunner(GraphedAdapter):
         ``max_length`` positions. With CUDA graphs the runner's one cache per batch size is reset and returned (the
         graphs are bound to its tensors); one too small for ``max_length`` (or ``GRAPHED_CAPACITY`` positions) is
         replaced, and the graphs bound to it are dropped, to be captured again."""
-        if self.one_kernel_norms:
-            for norm in hidden_norms(self.decoder):          # a weight updated since the graphs were captured: in place
+        if self.one_kernel_norms:       # a weight updated since the graphs were captured: refreshed in place
+            heads = [n for b in self.blocks if self.fused_step and hasattr(b, "self_attn")
+                     for n in (b.self_attn.q_norm, b.self_attn.k_norm)]
+            for norm in hidden_norms(self.decoder) + heads:
                 unit_offset_weight(norm)
         if self.graphs is None:
             capacity = 64 if max_length is None else max_length + MAX_TREE_BUCKET
@@ -289,12 +307,22 @@ class HybridRunner(GraphedAdapter):
 
     @staticmethod
     def _attention_step(m, h: torch.Tensor, norm, layer: SpecLAAttentionLayer, attention) -> torch.Tensor:
-        """Attention module ``m`` on one token ``h [hidden]`` of batch 1: its input norm and its own call over the
-        cache, under the step's rotary embedding and mask."""
-        position_embeddings, mask = attention
-        out, _ = m(hidden_states=norm(h.view(1, 1, -1)), position_embeddings=position_embeddings,
-                   attention_mask=mask, past_key_values=KVView(layer, pending=False))
-        return out.view(-1)
+        """Gated attention module ``m`` on one token ``h [hidden]`` of batch 1: the q|gate, k, v projection (input norm
+        before it), the head norms, rotary and KV write as one kernel (``ops.qk_norm_rope_append``), the module's
+        attention function over the cache under the step's mask, the output gate and projection."""
+        (cos, sin), mask = attention
+        H, D = m.config.num_attention_heads, m.head_dim
+        qkv = ops.gemv(fuse_qkv(m), h, norm=(unit_offset_weight(norm), norm.eps))
+        layer.make_room(1)
+        q = ops.qk_norm_rope_append(qkv, unit_offset_weight(m.q_norm), unit_offset_weight(m.k_norm), m.q_norm.eps,
+                                    cos.view(-1), sin.view(-1), layer.key_buffer, layer.value_buffer, layer.length, H)
+        layer.committed_grew(1)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation,
+                                                       sys.modules[type(m).__module__].eager_attention_forward)
+        o, _ = attend(m, q.view(1, H, 1, D), layer.key_buffer, layer.value_buffer, mask, dropout=0.0,
+                      scaling=m.scaling)
+        gate = qkv[:2 * H * D].view(H, 2, D)[:, 1]
+        return ops.gemv(m.o_proj.weight, (o.view(H, D) * torch.sigmoid(gate)).view(-1))
 
     def _norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``, or ``(norm(x + residual), x + residual)``: one kernel for a zero-centred norm."""
