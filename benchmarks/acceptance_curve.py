@@ -11,7 +11,8 @@ speculation itself costs) and, for the default tree, on (what a user gets by def
     python benchmarks/acceptance_curve.py --eval-dir data/eval --out $OUT
 
 Writes ``acceptance_curve.json`` (records: model_shape, method, noise, temperature, tau, ms_per_token,
-graph_ar_ms_per_token, speedup_vs_graph_ar, stock_ms_per_token, speedup_vs_stock, mode) and ``acceptance_curve.png``
+graph_ar_ms_per_token, speedup_vs_graph_ar, stock_ms_per_token, speedup_vs_stock, mode, acceptance: device or host
+loop) and ``acceptance_curve.png``
 (speedup vs tau, one line per method, break-even marked), and prints a table last.
 """
 from __future__ import annotations
@@ -165,7 +166,7 @@ def main():
                             noise=noise_scale, temperature=temperature, tau=statistics.mean(taus),
                             ms_per_token=ms, graph_ar_ms_per_token=base, speedup_vs_graph_ar=base / ms,
                             stock_ms_per_token=stock_ms, speedup_vs_stock=stock_ms / ms,
-                            mode=sorted({s.mode for s in stats}),
+                            mode=sorted({s.mode for s in stats}), acceptance=sorted({s.acceptance for s in stats}),
                             draft_nodes=statistics.mean(x for s in stats for x in s.draft_nodes[:s.speculative_steps]
                                                         or [0])))
         r = records[-1]

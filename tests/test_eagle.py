@@ -250,7 +250,7 @@ def test_tree_sampling_is_lossless():
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
     p1, p2 = test_generate._exact_first_two(target, ids, procs)
     options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
-    c1, c12, _ = test_generate._sample_counts(GDNRunner(target), lambda: drafter.candidate_generator(target, options),
+    c1, c12, *_ = test_generate._sample_counts(GDNRunner(target), lambda: drafter.candidate_generator(target, options),
                                               ids, 2000, procs)
     assert test_generate._chisq_pvalue(c1, p1) > 1e-3
     assert test_generate._chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3

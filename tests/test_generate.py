@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper
-from transformers import MaxLengthCriteria, TopKLogitsWarper
+from transformers import MaxLengthCriteria, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import tiny_gdn
@@ -150,7 +150,7 @@ def _exact_first_two(model, ids, processors):
     with torch.no_grad():
         l1 = processors(ids, model(ids).logits[:, -1].float())
         p1 = l1.softmax(-1)[0]
-        seqs = torch.cat([ids.expand(p1.numel(), -1), torch.arange(p1.numel())[:, None]], 1)
+        seqs = torch.cat([ids.expand(p1.numel(), -1), torch.arange(p1.numel(), device=ids.device)[:, None]], 1)
         l2 = model(seqs).logits[:, -1].float()
         p2 = torch.stack([processors(seqs[i:i + 1], l2[i:i + 1])[0] for i in range(p1.numel())]).softmax(-1)
     return p1, p2
@@ -169,12 +169,13 @@ def _chisq_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
-def _sample_counts(runner, new_drafter, ids, draws, processors) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _sample_counts(runner, new_drafter, ids, draws, processors) -> tuple[torch.Tensor, torch.Tensor, int, set]:
     """Draw (x1, x2) ``draws`` times with the loop generate() runs on the adapter ``runner``, a fresh drafter from
     ``new_drafter()`` each time (called directly: thousands of generate() calls cost minutes on CPU): the counts of
-    x1, of the pair (x1 * V + x2), and the draft tokens accepted over all draws."""
+    x1, of the pair (x1 * V + x2), the draft tokens accepted over all draws, and where the steps accepted
+    (``SpecLAStats.acceptance``)."""
     V = runner.config.vocab_size
-    c1, c12, accepted = torch.zeros(V), torch.zeros(V * V), 0
+    c1, c12, accepted, where = torch.zeros(V), torch.zeros(V * V), 0, set()
     stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2)])
     for _ in range(draws):
         out, stats, *_ = speculative_decode(runner, new_drafter(), ids, processors, stop, do_sample=True,
@@ -183,7 +184,8 @@ def _sample_counts(runner, new_drafter, ids, draws, processors) -> tuple[torch.T
         c1[x1] += 1
         c12[x1 * V + x2] += 1
         accepted += sum(stats.accepted)
-    return c1, c12, accepted
+        where.add(stats.acceptance)
+    return c1, c12, accepted, where
 
 
 def test_generate_samples_through_the_same_loop(target, bad_drafter):
@@ -201,17 +203,22 @@ def test_generate_samples_through_the_same_loop(target, bad_drafter):
     assert torch.equal(via_generate, direct)
 
 
+@pytest.mark.parametrize("acceptance", ["device", "host"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_sampling_is_lossless(tree):
-    """5000 draws of (x1, x2) on a vocabulary of 8: the test detects a 2% shift of probability mass (see below)."""
+def test_sampling_is_lossless(tree, acceptance):
+    """5000 draws of (x1, x2) on a vocabulary of 8: the test detects a 2% shift of probability mass (see below).
+    Temperature and top-k treat each row alone: the device loop accepts (``sample_accept``); a repetition penalty
+    reads each node's sequence: the host walks the tree (``accept_path``)."""
     torch.manual_seed(1234)
     target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
     drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
     ids = torch.tensor([[1, 5, 2]])
-    procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
+    procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)]
+                                + ([RepetitionPenaltyLogitsProcessor(1.5)] if acceptance == "host" else []))
     p1, p2 = _exact_first_two(target, ids, procs)
     options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0)
-    c1, c12, _ = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 5000, procs)
+    c1, c12, _, where = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 5000, procs)
+    assert where == {acceptance}
     assert _chisq_pvalue(c1, p1) > 1e-3
     assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
     # power: moving 2% of the mass between two likely tokens must be caught at this sample size
@@ -223,19 +230,40 @@ def test_sampling_is_lossless(tree):
     assert expected_stat > 20          # chi-square noncentrality well past the 1e-3 critical value (~24 at df 7)
 
 
-def test_a_wrong_acceptance_rule_fails_the_sampling_test(monkeypatch):
-    """The statistical test has teeth: accepting drafts too eagerly (min(1, 2p)) is detected."""
-    import specla_hf.loop.acceptance as acceptance
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_is_lossless_on_cuda():
+    """The device loop's sampling as the GPU runs it: the acceptance, its random draws and the drafter's catch-up in
+    one CUDA graph per tree bucket, replayed (each replay draws afresh); 3000 draws, fp32, as on CPU."""
+    torch.manual_seed(1234)
+    target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8).cuda()
+    drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1).cuda()
+    ids = torch.tensor([[1, 5, 2]], device="cuda")
+    procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
+    p1, p2 = _exact_first_two(target, ids, procs)
+    options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
+    runner = GDNRunner(target)
+    assert runner.graphs is not None
+    c1, c12, _, where = _sample_counts(runner, lambda: GDNDrafter(drafter, options), ids, 3000, procs)
+    assert where == {"device"}
+    assert _chisq_pvalue(c1, p1.cpu()) > 1e-3
+    assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten().cpu()) > 1e-3
+
+
+@pytest.mark.parametrize("acceptance", ["device", "host"])
+def test_a_wrong_acceptance_rule_fails_the_sampling_test(monkeypatch, acceptance):
+    """The statistical test has teeth: accepting drafts too eagerly (min(1, 2p)) is detected, on the device and on
+    the host (a repetition penalty of 1, which changes nothing, takes the host walk)."""
     real_rand = torch.rand
-    monkeypatch.setattr(acceptance.torch, "rand", lambda *a, **k: real_rand(*a, **k) / 2)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k) / 2)
     torch.manual_seed(99)
     target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
     drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
     ids = torch.tensor([[1, 5, 2]])
-    p1, _ = _exact_first_two(target, ids, LogitsProcessorList())
+    procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.0)] if acceptance == "host" else [])
+    p1, _ = _exact_first_two(target, ids, procs)
     options = draft_options(tree=False, confidence_threshold=0.0)
-    c1, _, _ = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 2000,
-                              LogitsProcessorList())
+    c1, _, _, where = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 2000, procs)
+    assert where == {acceptance}
     assert _chisq_pvalue(c1, p1) < 1e-3
 
 
@@ -318,3 +346,41 @@ def test_greedy_accept_is_the_host_walk():
         assert acc.path[:len(path)].tolist() == path and acc.emitted[:len(path)].tolist() == emitted, trial
         seen_lengths.add(len(path))
     assert len(seen_lengths) >= 5                              # deep acceptances were exercised, not only the root
+
+
+def test_sample_accept_follows_the_target_law():
+    """The device sampling rule alone, on a fixed bushy tree with twin siblings and padding: the first emitted token
+    follows the root's law, and after a drafted child's token the next one follows that child's law; 20000 draws,
+    chi-square. Under a rule that accepts a child twice as often as it should, the same test fails."""
+    from specla_hf.loop.acceptance import sample_accept
+    from specla_kernels.reference import tree_ancestors
+    V = 6
+    #        node: 0  1  2  3  4  5  6  7   8 (padding)
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, -1])
+    tokens = torch.tensor([5, 2, 0, 2, 1, 3, 4, 0, 0])     # node 3 is node 1's twin: never accepted
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(9, V, generator=gen) * 1.5, -1)
+    ancestors = tree_ancestors(parents[None])[0]
+    first_child = {2: 1, 0: 2}                               # the root's children by token (node 3 never reached)
+
+    def counts(rule_rand):
+        c1, c2 = torch.zeros(V), {c: torch.zeros(V) for c in first_child.values()}
+        for _ in range(20000):
+            acc = rule_rand()
+            first, second = acc.emitted[:2].tolist()
+            c1[first] += 1
+            if first in first_child:
+                c2[first_child[first]][second] += 1
+        return c1, c2
+    torch.manual_seed(5)
+    c1, c2 = counts(lambda: sample_accept(tokens, parents, ancestors, probs, 4))
+    assert _chisq_pvalue(c1, probs[0]) > 1e-3
+    for child, c in c2.items():
+        assert _chisq_pvalue(c, probs[child]) > 1e-3, child
+    real_rand = torch.rand
+    torch.rand = lambda *a, **k: real_rand(*a, **k) / 2
+    try:
+        c1, _ = counts(lambda: sample_accept(tokens, parents, ancestors, probs, 4))
+    finally:
+        torch.rand = real_rand
+    assert _chisq_pvalue(c1, probs[0]) < 1e-3

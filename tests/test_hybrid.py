@@ -286,7 +286,7 @@ def test_sampling_is_lossless():
     p1, p2 = _exact_first_two(target, ids, procs)
     draws = 3000
     options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
-    c1, c12, _ = _sample_counts(HybridRunner(target), lambda: GDNDrafter(drafter, options), ids, draws, procs)
+    c1, c12, *_ = _sample_counts(HybridRunner(target), lambda: GDNDrafter(drafter, options), ids, draws, procs)
     assert _chisq_pvalue(c1, p1) > 1e-3
     assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
     a, b = p1.topk(2).indices                 # power: the noncentrality of a 3.5% shift between two likely tokens

@@ -384,7 +384,7 @@ def test_sampling_is_lossless():
     p1, p2 = _exact_first_two(target, ids, procs)
     draws = 2000
     options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
-    c1, c12, accepted = _sample_counts(HybridRunner(target), lambda: head.candidate_generator(target, options), ids,
+    c1, c12, accepted, _ = _sample_counts(HybridRunner(target), lambda: head.candidate_generator(target, options), ids,
                                        draws, procs)
     assert 0 < accepted < draws                  # drafts were accepted and rejected
     assert _chisq_pvalue(c1, p1) > 1e-3

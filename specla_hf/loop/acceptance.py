@@ -1,15 +1,34 @@
 """The acceptance rule, lossless for greedy decoding and for sampling: which path of a verified tree is kept.
 
 ``accept_path`` walks a tree on the host with the target's processed distributions (any logits processor, sampling);
-``greedy_accept`` is the same rule for plain greedy decoding as device tensor ops (static shapes, no host
-synchronisation: the device loop captures it in a CUDA graph). Tests check the two agree on random trees.
+``greedy_accept`` (plain greedy decoding) and ``sample_accept`` (sampling under logits processors that treat each
+row alone, ``row_wise``) are the same rule as device tensor ops (static shapes, no host synchronisation: the device
+loop captures them in a CUDA graph). Tests check that greedy walks agree on random trees and that sampled outputs
+follow the target's law.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+# processors whose output row depends on that row of scores alone, not on the sequence: a tree's rows (each node with
+# its own context) are processed together, on the device. Exact classes: a subclass may read the sequence.
+ROW_WISE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def row_wise(logits_processor: LogitsProcessorList) -> bool:
+    """Whether every processor of ``logits_processor`` treats each row of scores alone (``ROW_WISE_PROCESSORS``)."""
+    return all(type(p) in ROW_WISE_PROCESSORS for p in logits_processor)
+
+
+def processor_key(logits_processor: LogitsProcessorList) -> tuple:
+    """What the processors compute: each one's class and scalar settings (temperature, top-k, top-p, penalties)."""
+    return tuple((type(p).__name__, *sorted((k, v) for k, v in vars(p).items()
+                                            if isinstance(v, (bool, int, float, str))))
+                 for p in logits_processor)
 
 
 @dataclass
@@ -94,12 +113,52 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
     sibling has that token (the host walk takes the first such child); it is accepted when every node on its root
     path matches; the deepest accepted node ends the path (one per depth: at most one child of a node matches).
     """
+    idx = torch.arange(tokens.shape[0], device=tokens.device)
+    up = parents.clamp(min=0)
+    match = torch.where(parents >= 0, (tokens == argmax[up]) & ~_earlier_twin(tokens, parents), idx == 0)
+    return _walk(tokens, ancestors, match, lambda node: argmax.index_select(0, node), cap)
+
+
+def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, probs: torch.Tensor,
+                  cap: int) -> DeviceAcceptance:
+    """``accept_path``'s sampling rule as device tensor ops: ``probs [N, vocab]`` is the target's processed
+    distribution after each node (the rest as ``greedy_accept``).
+
+    The host tries a node's children in order, accepting child ``c`` with probability ``p(c)`` renormalised over what
+    its earlier siblings' rejections left, and samples the bonus from what all of them left. Here every node draws
+    its uniform up front (the host draws one per child it reaches: the same law), hits with that chance (zero for a
+    token an earlier sibling already tried), and matches when it hits and no earlier sibling hit; the bonus is an
+    exponential race over the last node's distribution with its children's tokens removed."""
     N = tokens.shape[0]
     idx = torch.arange(N, device=tokens.device)
-    up = parents.clamp(min=0)
-    earlier_twin = ((parents[None, :] == parents[:, None]) & (tokens[None, :] == tokens[:, None])
-                    & (idx[None, :] < idx[:, None])).any(1)
-    match = torch.where(parents >= 0, (tokens == argmax[up]) & ~earlier_twin, idx == 0)
+    p = probs[parents.clamp(min=0), tokens]                      # each node's chance under its parent's law
+    earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])   # [i, s]: s tried before i
+    twin = _earlier_twin(tokens, parents)
+    tried = (earlier & ~twin[None, :]).to(p.dtype) @ p            # mass the earlier siblings' rejections removed
+    chance = torch.where(twin, 0.0, p / (1 - tried).clamp(min=torch.finfo(p.dtype).tiny))
+    hit = torch.rand(N, device=tokens.device) < chance
+    match = torch.where(parents >= 0, hit & ~(earlier & hit[None, :]).any(1), idx == 0)
+
+    def bonus(node: torch.Tensor) -> torch.Tensor:
+        rest = probs.index_select(0, node)[0]
+        children = (parents == node).to(rest.dtype)
+        rest = rest * (torch.zeros_like(rest).scatter_add(0, tokens, children) == 0)
+        return (rest / torch.empty_like(rest).exponential_()).argmax().view(1)
+    return _walk(tokens, ancestors, match, bonus, cap)
+
+
+def _earlier_twin(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """``[N]``: whether an earlier sibling holds the same token (the host walk never reaches such a node)."""
+    idx = torch.arange(tokens.shape[0], device=tokens.device)
+    return ((parents[None, :] == parents[:, None]) & (tokens[None, :] == tokens[:, None])
+            & (idx[None, :] < idx[:, None])).any(1)
+
+
+def _walk(tokens: torch.Tensor, ancestors: torch.Tensor, match: torch.Tensor, bonus, cap: int) -> DeviceAcceptance:
+    """The accepted path of nodes whose whole root path matches, ending at the deepest one, and the emitted tokens:
+    its drafts, then ``bonus(node)`` (the target's own token after the last node ``node [1]``)."""
+    N = tokens.shape[0]
+    idx = torch.arange(N, device=tokens.device)
     accepted = ~(ancestors & ~match[None, :]).any(1)
     depth = ancestors.sum(1)
     node = torch.where(accepted, depth, 0).argmax().view(1)
@@ -108,6 +167,5 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
     slot = torch.where(on_path, depth - 1, cap)                # a path node's position; the rest to a spare slot
     path = node.repeat(cap + 1).scatter(0, slot, idx)[:cap]
     after = torch.cat([path[1:], node])                         # the node each emitted draft token comes from
-    emitted = torch.where(torch.arange(cap, device=idx.device) + 1 < length, tokens[after],
-                          argmax.index_select(0, node))
+    emitted = torch.where(torch.arange(cap, device=idx.device) + 1 < length, tokens[after], bonus(node))
     return DeviceAcceptance(node, length, path, emitted, torch.cat([length, emitted]))

@@ -9,8 +9,9 @@ streamer (``loop.stopping``); a proposal launched past the stop is dropped. The 
 acceptance runs:
 - ``HostDriver`` (any acceptance rule, logits processor, confidence threshold or drafter): the host reads the tree and
   the target's outputs and walks the tree (``accept_path``);
-- ``DeviceDriver`` (plain greedy decoding, the tree selected on the device, a drafter that catches up there): the
-  acceptance (``greedy_accept``), the commit and the drafter's catch-up are one CUDA graph queued behind the verify
+- ``DeviceDriver`` (plain greedy decoding, or sampling under row-wise processors such as temperature, top-k and top-p;
+  the tree selected on the device; a drafter that catches up there): the acceptance (``greedy_accept`` or
+  ``sample_accept``), the commit and the drafter's catch-up are one CUDA graph queued behind the verify
   pass, and the next proposal is queued before the host reads the step's tokens, so the GPU drafts step ``i + 1``
   while the host checks step ``i`` against the stopping criteria; step ``i + 1``'s verify pass is queued only after
   that check, so nothing is verified past the stop.
@@ -25,7 +26,8 @@ from torch.profiler import record_function
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from specla_hf.loop.acceptance import DeviceAcceptance, accept_path, greedy_accept
+from specla_hf.loop.acceptance import (DeviceAcceptance, accept_path, greedy_accept, processor_key, row_wise,
+                                      sample_accept)
 from specla_hf.loop.autoregressive import ARDriver, ar_step_seconds
 from specla_hf.loop.policy import FallbackPolicy, fallback_memory
 from specla_hf.loop.stats import SpecLAStats
@@ -98,11 +100,15 @@ class HostDriver:
 
 class DeviceDriver:
     """The step with the acceptance, the commit and the drafter's catch-up on the device, in one CUDA graph per
-    verify graph (see module docstring). Tokens equal the host driver's (``greedy_accept`` is ``accept_path``); the
-    drafter's catch-up runs as a chain verify, so drafts may differ from the host driver's by rounding."""
+    verify graph (see module docstring). Greedy tokens equal the host driver's (``greedy_accept`` is
+    ``accept_path``), sampled ones follow the same law (``sample_accept``, under ``sampling``: row-wise logits
+    processors, each row of the tree processed alone); the drafter's catch-up runs as a chain verify, so drafts may
+    differ from the host driver's by rounding."""
 
-    def __init__(self, target, drafter, cache, stats: SpecLAStats):
+    def __init__(self, target, drafter, cache, stats: SpecLAStats, sampling: LogitsProcessorList | None = None):
         self.target, self.drafter, self.cache, self.stats = target, drafter, cache, stats
+        self.sampling = sampling
+        self.rule = ("greedy",) if sampling is None else ("sampling", processor_key(sampling))
         self.cap = drafter.options.depth + 1
         self.readback = HostCopy((1 + self.cap,), torch.long, target.device)
         drafter.last_tree = None           # no host tree per step (nothing to calibrate against); set by ``finish``
@@ -136,8 +142,12 @@ class DeviceDriver:
     def _tail_step(self, tokens: torch.Tensor, parents: torch.Tensor, out) -> DeviceAcceptance:
         n = tokens.shape[1]
         self.drafter.buffers.keep_verified()              # the drafter's last_tree once the loop ends
-        acc = greedy_accept(tokens[0], parents[0], self.cache.ancestors[0, :n, :n], out.logits[0].argmax(-1),
-                            self.cap)
+        ancestors = self.cache.ancestors[0, :n, :n]
+        if self.sampling is None:
+            acc = greedy_accept(tokens[0], parents[0], ancestors, out.logits[0].argmax(-1), self.cap)
+        else:            # row-wise processors read no sequence: an empty one stands for every node's context
+            scores = self.sampling(tokens.new_empty(n, 0), out.logits[0].float())
+            acc = sample_accept(tokens[0], parents[0], ancestors, scores.softmax(-1), self.cap)
         self.cache.commit(acc.node, path=(acc.path[None], acc.length))
         self.drafter.catch_up(out.hidden_states, acc)
         return acc
@@ -152,7 +162,7 @@ class DeviceDriver:
         pending = tensors_in(self.cache.layers[0].pending())[0]           # which verify graph's outputs it reads
         drafted = tensors_in(self.drafter.cache.layers[0].committed())     # which drafter cache it writes
         static = (tokens, parents, out.logits, self.cache.ancestors, *out.hidden_states, pending, *drafted)
-        key = ("step tail", tokens.shape[1], *(t.data_ptr() for t in static))
+        key = ("step tail", self.rule, tokens.shape[1], *(t.data_ptr() for t in static))
         owner = self.drafter.runner
         store = graphs.store(owner)
         if key not in store:
@@ -228,11 +238,14 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         driver, stats.mode = autoregressive(), "autoregressive"
     else:
         launch(drafter, host_ids, max_length, stats)
-        if plain and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
-            driver = DeviceDriver(target, drafter, cache, stats)
+        on_device = plain or (do_sample and row_wise(logits_processor))
+        if on_device and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
+            driver = DeviceDriver(target, drafter, cache, stats, logits_processor if do_sample else None)
+            stats.acceptance = "device"
         else:
             driver = HostDriver(target, drafter, cache, stats, logits_processor, do_sample, max_length, device,
                                 keep_scores)
+            stats.acceptance = "host"
     graph_sets = [g for g in (target.graphs, getattr(getattr(drafter, "runner", None), "graphs", None)) if g]
 
     def captures() -> int:

@@ -26,6 +26,8 @@ import statistics
 import weakref
 from dataclasses import dataclass, field
 
+from specla_hf.loop.acceptance import processor_key
+
 MAX_BACKOFF = 16           # most calls started autoregressively between two that try speculation again
 
 
@@ -112,10 +114,7 @@ class FallbackPolicy:
 def memory_key(drafter, logits_processor, do_sample: bool) -> tuple:
     """What, besides the target and the drafter's adapter, decides acceptance and step cost: the drafter's kind and
     draft options, and the sampling rule with each logits processor's class and scalar settings."""
-    processors = tuple((type(p).__name__, *sorted((k, v) for k, v in vars(p).items()
-                                                  if isinstance(v, (bool, int, float, str))))
-                       for p in logits_processor)
-    return type(drafter).__name__, dataclasses.astuple(drafter.options), do_sample, processors
+    return type(drafter).__name__, dataclasses.astuple(drafter.options), do_sample, processor_key(logits_processor)
 
 
 def fallback_memory(target, drafter, logits_processor, do_sample: bool) -> FallbackMemory:

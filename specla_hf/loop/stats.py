@@ -21,6 +21,8 @@ class SpecLAStats:
                                           # stop fell inside a committed block)
     mode: str = "speculative"             # how the call ended: "speculative" or "autoregressive"
     mode_reason: str = ""                 # why (e.g. the fallback's measured costs)
+    acceptance: str = ""                  # where speculative steps accepted: "device" (``loop.decode.DeviceDriver``)
+                                          # or "host" (``HostDriver``); "" when none ran
 
     @property
     def tau(self) -> float:
