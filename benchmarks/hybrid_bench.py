@@ -95,6 +95,8 @@ def random_pair(shape: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.M
         mtp = specla_hf.MTPDrafter(config).to(dtype).eval()
     with torch.no_grad():
         target.model.embed_tokens.weight.mul_(DECISIVE_EMBEDDING)
+        if not config.tie_word_embeddings:      # each token's own logit then stands out (a copy: the cost is the same)
+            target.lm_head.weight.copy_(target.model.embed_tokens.weight)
     return target, {"mtp": mtp}
 
 
@@ -113,13 +115,14 @@ def tau_of(stats: list) -> float:
     return (accepted + steps) / steps
 
 
-def profile_ar(target, ids, n_new: int, path: Path) -> None:
-    """The GPU kernels of SpecLA's autoregressive decoding of ``ids`` (graph replays included: CUPTI records their
-    kernels), by total GPU time, with the kernel launches per token: what an AR step is made of."""
+def profile_call(target, ids, n_new: int, path: Path, **kwargs) -> None:
+    """The GPU kernels of one ``generate`` call on ``ids`` (default: SpecLA's autoregressive decoding; graph replays
+    included: CUPTI records their kernels), by total GPU time, with the kernel launches per token."""
     from torch.profiler import ProfilerActivity, profile
-    target.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True)          # captured before profiling
+    kwargs = kwargs or dict(specla=True)
+    target.generate(ids, max_new_tokens=n_new, do_sample=False, **kwargs)          # captured before profiling
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        target.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True)
+        target.generate(ids, max_new_tokens=n_new, do_sample=False, **kwargs)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_ms = sum(e.device_time for e in kernels) / 1e3
@@ -146,7 +149,7 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
     stock, _ = run(target, ids_list[:stock_prompts], n_new, do_sample=False)
     ar, _ = run(target, ids_list, n_new, do_sample=False, specla=True)
     if profile_dir is not None:
-        profile_ar(target, ids_list[0], n_new, profile_dir / f"profile_ar_{shape}.txt")
+        profile_call(target, ids_list[0], n_new, profile_dir / f"profile_ar_{shape}.txt")
     base = dict(model_shape=shape, params=params, weight_floor_ms=1e3 * params * target.dtype.itemsize / HBM_BYTES_PER_S,
                 stock_ms_per_token=stock, graph_ar_ms_per_token=ar, ar_cuda_graphs=adapter_for(target).graphs is not None)
     records = [dict(base, method="stock", drafter=None, noise=None, tau=1.0, ms_per_token=stock),
@@ -168,6 +171,9 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                         ms, stats = ms + one / len(ids_list), stats + one_stats
                 records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
                                     ms_per_token=ms, mode=sorted({s.mode for s in stats})))
+                if profile_dir is not None and method == "tree" and noises and noise == noises[-1]:
+                    profile_call(target, ids_list[-1], n_new, profile_dir / f"profile_tree_{shape}.txt",
+                                 assistant_model=drafter, **kw)
                 log(f"{shape}: {name} {method} noise {noise}: tau {records[-1]['tau']:.2f}, {ms:.2f} ms/token")
     for r in records:
         r["speedup_vs_ar"], r["speedup_vs_stock"] = ar / r["ms_per_token"], stock / r["ms_per_token"]
