@@ -423,8 +423,8 @@ def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
     graphs on the target and the drafter (on by default there) and without: greedy output with an exact and a
     perturbed copy as drafter, chain and tree, and SpecLA's autoregressive loop equal plain decoding,
     ``past_key_values`` too. The dense family must capture every call, the drafters' too; the MoE families' stock
-    eager experts sync the host (a failed capture warns and runs that call eagerly), so for them the test reports
-    what was captured. (TF32 off for cuDNN: plain decoding's short convolution would otherwise not be fp32.)"""
+    experts copy between host and GPU, so they run eagerly, and asking for graphs is a clear error. (TF32 off for
+    cuDNN: plain decoding's short convolution would otherwise not be fp32.)"""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     # the stock prompt pass in exact fp32: fla's chunk kernel (transformers' choice on a GPU) runs its products in
     # TF32, which moves a random tiny model's near-tied logits more than our tf32x3 kernels do
@@ -441,7 +441,12 @@ def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
     # capture would leave those graphs reading freed memory: an illegal address on the next prompt)
     cases = [(torch.randint(0, VOCAB, (1, n_prompt), generator=gen).cuda(), n_new)
              for n_prompt, n_new in ((70, 40), (1, 24), (33, 16))]
-    for graphed in (True, False):
+    dense = family == "qwen3_5"
+    if not dense:
+        with pytest.raises(ValueError, match="MoE blocks .* cannot be captured"):
+            HybridRunner(target, cuda_graphs=True)
+        assert HybridRunner(target).graphs is None
+    for graphed in (True, False) if dense else (False,):
         runner = HybridRunner(target, cuda_graphs=graphed)
         target.__dict__["_specla_runner_target"] = runner          # what generate's adapter_for finds
         for drafter in (exact, perturbed):
@@ -471,10 +476,9 @@ def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
                    for k, v in (*r.graphs.calls.items(), *graphs.store(owner=r).items())]
         print(f"{family} drafters: captured {sum(c for _, c in drafted)} of {len(drafted)} calls: {drafted}")
         assert any(k[0] == "step tail" for k, _ in drafted)
-        if family == "qwen3_5":
-            assert all(captured.values()), captured
-            assert all(g.commit and all(g.commit.values()) for g in graphs.forwards.values() if g.commit)
-            assert all(c for _, c in drafted), [k for k, c in drafted if not c]
+        assert all(captured.values()), captured
+        assert all(g.commit and all(g.commit.values()) for g in graphs.forwards.values() if g.commit)
+        assert all(c for _, c in drafted), [k for k, c in drafted if not c]
 
 
 def test_fused_one_token_step_equals_the_general_path():
@@ -645,9 +649,21 @@ def test_graphed_hybrid_drafters_draft_as_eager(family, drafters):
         assert tails and all(k[0] == "step tail" and v is not None for k, v in tails.items())
 
 
+def test_moe_models_run_without_graphs():
+    """transformers' MoE experts copy between host and GPU inside their forward, which a capture refuses: the MoE
+    families' adapters, and a MoE checkpoint's MTP head, default to eager calls and refuse ``cuda_graphs=True``
+    with the reason, before the device is looked at."""
+    for family in ("qwen3_5_moe", "qwen3_next"):
+        model = tiny_hybrid(family, seed=0)
+        with pytest.raises(ValueError, match=r"cuda_graphs=True: the MoE blocks \(\w+\) cannot be captured"):
+            HybridRunner(model, cuda_graphs=True)
+        assert HybridRunner(model).graphs is None
+    assert HybridRunner(tiny_hybrid("qwen3_5", seed=0)).graph_blocker() is None
+
+
 def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):
-    """A call whose capture fails (on a GPU: a host sync inside it, e.g. the stock eager MoE experts' loop over the
-    experts hit) warns and runs eagerly, forward calls included: decoding stays exact."""
+    """A call whose capture fails (on a GPU: a host sync inside it) warns and runs eagerly, forward calls included:
+    decoding stays exact."""
     import specla_hf.runtime.graphs as rg
     model = tiny_hybrid("qwen3_5", seed=2)
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(53))

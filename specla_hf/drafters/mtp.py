@@ -44,7 +44,7 @@ from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, text_decoder
+from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, experts_blocker, text_decoder
 from specla_hf.models.tree_attention import KVView, attention_inputs
 
 # text-config model_type -> (modeling module, decoder-layer class, RMSNorm class) the MTP layer is built from
@@ -182,6 +182,9 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         self._bind_target(mtp, target, cuda_graphs)
         self.rotary_emb = text_decoder(target).rotary_emb
         self.last_cache: SpecLACache | None = None
+
+    def graph_blocker(self) -> str | None:
+        return experts_blocker([self.model.layer.mtp_block.mlp])
 
     def _make_cache(self, batch_size: int, capacity: int, fixed: bool) -> SpecLACache:
         attn = self.model.layer.mtp_block.self_attn

@@ -191,13 +191,20 @@ class GraphedAdapter:
     def _init_graphs(self, cuda_graphs: bool | None, max_seq_tokens: int, bucket_trees: bool | None = None) -> None:
         """``graphs`` (``cuda_graphs``: default on for a model on CUDA), ``bucket_trees`` (default: with graphs) and
         the per-batch-size caches the graphs are bound to."""
+        blocker = self.graph_blocker()
+        if cuda_graphs and blocker:
+            raise ValueError(f"cuda_graphs=True: {blocker}; leave cuda_graphs unset (off for this model)")
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+            cuda_graphs = self.device.type == "cuda" and not blocker
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
         self.graphs = ForwardGraphs(self, max_seq_tokens=max_seq_tokens) if cuda_graphs else None
         self.bucket_trees = cuda_graphs if bucket_trees is None else bucket_trees
         self._caches = {}
+
+    def graph_blocker(self) -> str | None:
+        """Why this adapter's calls cannot be captured, or ``None`` (the default: they can)."""
+        return None
 
     def compute_on_device(self, inputs, cache, parents: torch.Tensor | None, logits_positions: slice | None,
                           hidden_layers: tuple[int, ...]) -> RunnerOutput:

@@ -103,6 +103,14 @@ def fuse_qkv(m) -> torch.Tensor:
     return fused_rows(m, "_specla_fused_qkv", [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight])
 
 
+def experts_blocker(mlps) -> str | None:
+    """Why calls through ``mlps`` cannot be CUDA graphs: transformers' MoE experts copy between the host and the GPU
+    inside their forward, which a capture refuses, and a capture that fails part-way can leave the device unusable
+    (an illegal address on the next eager call, on an H200)."""
+    moe = sorted({type(m).__name__ for m in mlps if not dense_mlp(m)})
+    return f"the MoE blocks ({', '.join(moe)}) cannot be captured as CUDA graphs" if moe else None
+
+
 def supports_fused_step(model) -> bool:
     """Whether ``HybridRunner._decode_step`` computes this model's one-token step: Qwen3.5's GDN layout (separate
     bias-free input projections, power-of-two value heads for the gated norm), dense SwiGLU MLPs, zero-centred
@@ -169,6 +177,9 @@ class HybridRunner(GraphedAdapter):
                 fuse_gate_up(block.mlp)
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
+
+    def graph_blocker(self) -> str | None:
+        return experts_blocker(block.mlp for block in self.blocks)
 
     @classmethod
     def for_model(cls, model, role: str = "target") -> "HybridRunner":
