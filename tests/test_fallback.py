@@ -43,6 +43,21 @@ def test_autoregressive_loop_equals_stock_generate(graphs):
         assert torch.equal(model.generate(ids, specla=True, **call), stock)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_sampled_autoregressive_step_on_cuda_draws_as_stock():
+    """On a GPU, sampling with row-wise processors runs as one CUDA graph per token (the draw inside it): a seeded
+    run draws stock generate's tokens, its first call (which captures) included."""
+    model = tiny_gdn(seed=73).cuda()
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(73)).cuda()
+    for seed in range(3):
+        call = dict(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.9)
+        torch.manual_seed(seed)
+        stock = model.generate(ids, **call)
+        torch.manual_seed(seed)
+        assert torch.equal(model.generate(ids, specla=True, **call), stock), seed
+    assert [k for k in adapter_for(model).graphs.calls if k[0] == "ar step" and len(k) > 1]
+
+
 def test_speculation_that_does_not_pay_falls_back_losslessly(bad_drafter):
     """With the autoregressive step measured as (nearly) free, the loop falls back after the policy's warm-up steps and
     says why; measured as (nearly) endless, it speculates to the end. Output equals plain decoding either way."""

@@ -3,7 +3,8 @@
 The target consumes the pending token and chooses the next one, with the logits processors and the sampling rule of
 transformers' own loop (``GenerationMixin._sample``: the last position's logits in fp32, the processors, then argmax
 or one multinomial draw), so greedy output equals stock ``generate`` and a seeded sampling run draws the same tokens.
-Plain greedy decoding is one captured call per token that writes the next token into its own input (``ARStep``), and
+Plain greedy decoding, and sampling under processors that treat each row of scores alone (``row_wise``: temperature,
+top-k, top-p, min-p), is one captured call per token that writes the next token into its own input (``ARStep``), and
 each token is read back while the GPU already computes the next one.
 """
 from __future__ import annotations
@@ -13,37 +14,46 @@ import time
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
+from specla_hf.loop.acceptance import processor_key, row_wise
 from specla_hf.runtime.transfer import HostCopy, copy_in, to_device
 
 
 class ARStep:
-    """One greedy token as one call on static tensors: the target consumes ``token`` and overwrites it with its argmax
-    (a CUDA graph where the adapter runs them). Bound to the adapter's cache."""
+    """One token as one call on static tensors: the target consumes ``token`` and overwrites it with its argmax, or
+    with ``sampling``'s draw (row-wise processors, then one multinomial draw, as stock ``generate``), as a CUDA graph
+    where the adapter runs them. Bound to the adapter's cache."""
 
-    def __init__(self, target, cache):
-        self.target, self.cache = target, cache
+    def __init__(self, target, cache, sampling: LogitsProcessorList | None = None):
+        self.target, self.cache, self.sampling = target, cache, sampling
+        self.key = ("ar step",) if sampling is None else ("ar step", processor_key(sampling))
         graphs = target.graphs
         make = lambda: torch.zeros(1, 1, dtype=torch.long, device=target.device)   # noqa: E731
         self.token = make() if graphs is None else graphs.static(("ar token",), make)
 
     def _advance(self) -> None:
-        logits = self.target.compute(self.token, self.cache, None, slice(-1, None), ()).logits
-        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        logits = self.target.compute(self.token, self.cache, None, slice(-1, None), ()).logits[:, -1]
+        if self.sampling is None:
+            self.token.copy_(logits.argmax(-1, keepdim=True))
+            return
+        # row-wise processors read no sequence: an empty one stands for it
+        scores = self.sampling(self.token.new_empty(1, 0), logits.float())
+        self.token.copy_(torch.multinomial(torch.softmax(scores, -1), num_samples=1))
 
     def __call__(self) -> None:
         graphs = self.target.graphs
         if graphs is None:
             self._advance()
             return
-        if ("ar step",) not in graphs.calls:
-            saved = self.cache.snapshot(), self.token.clone()
+        if self.key not in graphs.calls:
+            saved = self.cache.snapshot(), self.token.clone(), rng_state(self.token.device)
 
-            def restore():                   # the warm-up consumed a token: put the cache and the token back
+            def restore():                   # the warm-up consumed a token (and random numbers): put them back
                 self.cache.restore(saved[0])
                 self.token.copy_(saved[1])
-            graphs.capture(("ar step",), self._advance, "the autoregressive step", between=restore)
+                set_rng_state(self.token.device, saved[2])
+            graphs.capture(self.key, self._advance, "the autoregressive step", between=restore)
             restore()
-        graphs.call(("ar step",), self._advance, "the autoregressive step")
+        graphs.call(self.key, self._advance, "the autoregressive step")
 
     def seconds(self, steps: int = 8) -> float:
         """Seconds one step takes on this device, timed back to back after two warm-up steps (the cache is reset
@@ -63,6 +73,18 @@ class ARStep:
         return elapsed
 
 
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator's state on ``device`` (a capture's warm-up draws from it; stock ``generate`` did not)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
 def ar_step_seconds(target) -> float:
     """The adapter's autoregressive step time, measured once per adapter (per model, device and dtype)."""
     if getattr(target, "ar_step_seconds", None) is None:
@@ -78,9 +100,10 @@ class ARDriver:
         self.target, self.cache = target, cache
         self.logits_processor, self.do_sample, self.device = logits_processor, do_sample, device
         self.keep_scores = keep_scores
-        self.pipelined = not do_sample and not len(logits_processor) and not keep_scores
+        # one captured call per token: greedy with no processors, or sampling with row-wise ones
+        self.pipelined = not keep_scores and (row_wise(logits_processor) if do_sample else not len(logits_processor))
         if self.pipelined:
-            self.ar_step = ARStep(target, cache)
+            self.ar_step = ARStep(target, cache, logits_processor if do_sample else None)
             self.copies = [HostCopy((1,), torch.long, target.device) for _ in range(2)]
             self.queued = None           # the HostCopy of the token in flight
             self.queued_steps = 0
