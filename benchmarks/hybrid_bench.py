@@ -39,7 +39,9 @@ SHAPES = {
                  linear_value_head_dim=128, intermediate_size=3584, vocab_size=248320, tie_word_embeddings=True),
     "9b": {},
 }
-DECISIVE_EMBEDDING = 20.0        # random targets' embedding scale (``random_pair``)
+# by how much a random target's argmax must lead (``make_decisive``): a logit plus 5% of its own size, about six bf16
+# rounding steps, so the one-token path and the verify pass cannot round it apart
+DECISIVE_MARGIN = (1.0, 0.05)
 # method -> generate() keywords (with the drafter as assistant_model)
 METHODS = {
     "chain": dict(tree=False, confidence_threshold=0.0, autoregressive_fallback=False),
@@ -55,14 +57,14 @@ class OracleDrafts:
     greedy continuation of the prompt (``expect``, before each prompt), so a draft is right where that bigram
     successor is the target's next token and stays on top of the noise; the noise scale sets how often. BOOST keeps
     the oracle token's confidence near a real drafter's (~0.9 against 248K tokens at no noise). The random target
-    must decide its argmax clearly for this to work in bf16 (``random_pair``'s ``DECISIVE_EMBEDDING``)."""
+    must decide its argmax clearly for this to work in bf16 (``random_pair``)."""
 
     BOOST = 15.0
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.scale = torch.zeros((), device=device)      # tensors the captured graphs read: changed in place
         self.successor = torch.zeros(vocab_size, dtype=torch.long, device=device)
-        compute = _MTPRunner.compute
+        self.compute = compute = _MTPRunner.compute
 
         def oracle(runner, inputs, cache, parents, logits_positions, hidden_layers):
             out = compute(runner, inputs, cache, parents, logits_positions, hidden_layers)
@@ -71,6 +73,10 @@ class OracleDrafts:
             out.logits.copy_(torch.log_softmax(hot + torch.randn_like(hot) * self.scale, -1))
             return out
         _MTPRunner.compute = oracle
+
+    def remove(self) -> None:
+        """The MTP head's own drafts again (for the next shape: a head of another vocabulary must not read these)."""
+        _MTPRunner.compute = self.compute
 
     def expect(self, sequence: torch.Tensor) -> None:
         """The target's greedy ``sequence [1, L]`` (prompt and continuation): each token's successor in it (the last
@@ -82,22 +88,40 @@ class OracleDrafts:
 
 
 def random_pair(shape: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, dict]:
-    """A random-weight Qwen3.5 of ``shape`` and its random MTP head. The target's embedding is scaled by
-    ``DECISIVE_EMBEDDING``, so that the residual stream is dominated by the current token's embedding and the argmax
-    is clear: with plain random weights it is a near-tie among 248K logits that bf16 rounds apart between the
-    one-token path and the verify pass (at the 0.8B-like shape cut to 4 layers on a CPU, the oracle's tau at no noise
-    was 1.04-1.5 in bf16 and 7.0 in fp32; 8.0, every output equal to stock, with the scaling). Such a target
-    repeats itself; what a step costs does not depend on weight values (no routing in a dense model)."""
+    """A random-weight Qwen3.5 of ``shape`` and its random MTP head, the target made decisive (``make_decisive``)."""
     config = Qwen3_5TextConfig(**SHAPES[shape], attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
         target = Qwen3_5ForCausalLM(config).to(dtype).eval()
         mtp = specla_hf.MTPDrafter(config).to(dtype).eval()
-    with torch.no_grad():
-        target.model.embed_tokens.weight.mul_(DECISIVE_EMBEDDING)
-        if not config.tie_word_embeddings:      # each token's own logit then stands out (a copy: the cost is the same)
-            target.lm_head.weight.copy_(target.model.embed_tokens.weight)
+    make_decisive(target)
     return target, {"mtp": mtp}
+
+
+@torch.no_grad()
+def make_decisive(target, most: float = 4096.0) -> float:
+    """Scale the random target's embedding (and, untied, give its head the same rows: the cost is the same) until its
+    argmax leads the runner-up by ``DECISIVE_MARGIN`` on 9 of 10 positions of a random prompt: the residual stream is
+    then dominated by the current token's embedding. With plain random weights the argmax is a near-tie among 248K
+    logits that bf16 rounds apart between the one-token path and the verify pass (at the 0.8B-like shape cut to 4
+    layers on a CPU, the oracle's tau at no noise was 1.04-1.5 in bf16 and 7.0 in fp32; 8.0, every output equal to
+    stock, with a scaled embedding), and the layers' contributions grow with the width (the 9B shape needs a larger
+    scale than the 0.8B one). Such a target repeats itself; what a step costs does not depend on weight values (no
+    routing in a dense model). Returns the scale."""
+    embedding = target.model.embed_tokens.weight
+    ids = torch.randint(0, embedding.shape[0], (1, 64), generator=torch.Generator().manual_seed(0)).to(embedding.device)
+    scale = 1.0
+    while True:
+        top = target(ids).logits[0].float().topk(2, -1).values
+        margin = DECISIVE_MARGIN[0] + DECISIVE_MARGIN[1] * top[:, 0].abs()
+        if (top[:, 0] - top[:, 1] > margin).float().mean() >= 0.9 or scale >= most:
+            break
+        embedding.mul_(2.0)
+        scale *= 2.0
+        if not target.config.tie_word_embeddings:
+            target.lm_head.weight.copy_(embedding)
+    log(f"random target: embedding scaled by {scale:g}")
+    return scale
 
 
 def trained_pair(dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, dict]:
@@ -136,9 +160,17 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                 noises: list[float] | None = None, profile_dir: Path | None = None) -> list[dict]:
     """Stock, SpecLA AR and every drafter x method on ``ids_list``; with ``noises`` (random shapes), the MTP head's
     drafts come from ``OracleDrafts`` at each noise scale."""
+    oracle = OracleDrafts(target.config.vocab_size, target.device) if noises else None
+    try:
+        return _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises, profile_dir, oracle)
+    finally:
+        if oracle is not None:
+            oracle.remove()
+
+
+def _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises, profile_dir, oracle) -> list[dict]:
     target.generation_config.eos_token_id = None                  # fixed-length runs
     params = sum(p.numel() for p in target.parameters())
-    oracle = OracleDrafts(target.config.vocab_size, target.device) if noises else None
     # warm-up: every method on every prompt before anything is timed (fla's prompt kernels autotune for each new
     # prompt length, and the first method timed would pay for all)
     run(target, ids_list, 4, do_sample=False)
@@ -164,6 +196,9 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                     ms, stats = run(target, ids_list, n_new, do_sample=False, assistant_model=drafter, **kw)
                 else:
                     oracle.scale.fill_(noise)
+                    # untimed first: this acceptance grows trees (tree buckets, graphs) the warm-up did not reach
+                    oracle.expect(continuations[0])
+                    run(target, ids_list[:1], n_new, do_sample=False, assistant_model=drafter, **kw)
                     ms, stats = 0.0, []
                     for ids, sequence in zip(ids_list, continuations):
                         oracle.expect(sequence)
