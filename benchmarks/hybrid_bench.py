@@ -30,6 +30,7 @@ import specla_hf
 from acceptance_curve import log, prompts, run
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
+from specla_kernels import tuning
 
 CHECKPOINTS = Path(specla_hf.__file__).resolve().parents[1] / "checkpoints"
 HBM_BYTES_PER_S = 4.8e12          # H200: every weight read once per token is the autoregressive floor
@@ -262,15 +263,25 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--tree-attention", default="",
+                    help="SDPA backends for the attention calls of many tokens, comma-separated (e.g. math, "
+                         "efficient_attention; default: torch's choice): an A/B of the tree-masked attention")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    backends = tuple(b for b in args.tree_attention.split(",") if b)
+    with tuning.using(tree_attention_backends=backends):
+        bench(args, backends)
+
+
+def bench(args, backends: tuple[str, ...]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     tok = AutoTokenizer.from_pretrained(CHECKPOINTS / "specla-qwen35-tiny")
     ids_list = [tok(t, return_tensors="pt").input_ids[:, :256].to(args.device)
                 for t in prompts(args.eval_dir, args.per_set)]
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": str(dtype),
-            "prompts": len(ids_list), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__}
+            "prompts": len(ids_list), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
+            "tree_attention_backends": list(backends) or "torch's choice"}
     records = []
     for shape in args.shapes.split(","):
         target, drafters = (trained_pair(dtype, args.device) if shape == "trained" else random_pair(shape, dtype, args.device))

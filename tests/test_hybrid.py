@@ -11,6 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hybrid_models import FAMILIES, MODEL_CLASSES, VOCAB, tiny_hybrid, tiny_qwen3_5_vl
 from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
+from specla_kernels import tuning
 from specla_hf import GDNDrafter
 from specla_hf.cache import SpecLAAttentionLayer, SpecLALayer
 from specla_hf.generation import draft_options
@@ -681,3 +682,19 @@ def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):
         assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
                                           tree=tree, confidence_threshold=0.0), plain)
     assert len(runner.graphs.forwards) > 1 and all(g is None for g in runner.graphs.forwards.values())
+
+
+def test_tree_attention_backends_choose_kernels_not_tokens():
+    """``tuning``'s ``tree_attention_backends`` picks the SDPA kernels of the attention calls of many tokens (an A/B
+    on a GPU, ``hybrid_bench.py --tree-attention``): greedy output stays plain decoding's, and an unknown backend is
+    a clear error naming the choices."""
+    model = tiny_hybrid("qwen3_5", seed=4)
+    drafter = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(61))
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    with tuning.using(tree_attention_backends=("math",)):
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, tree=True,
+                                          confidence_threshold=0.0), plain)
+    with tuning.using(tree_attention_backends=("fastest",)):
+        with pytest.raises(ValueError, match=r"unknown SDPA backends \['fastest'\]; choose from .*'math'"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, assistant_model=drafter)

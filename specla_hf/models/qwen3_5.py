@@ -41,7 +41,7 @@ from specla_hf.models import fla_backend as backend
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
 from specla_hf.models.one_token import fused_rows, recurrent_step_, unit_offset_weight
-from specla_hf.models.tree_attention import KVView, attention_inputs
+from specla_hf.models.tree_attention import KVView, attention_inputs, tree_sdpa_backends
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
@@ -277,8 +277,10 @@ class HybridRunner(GraphedAdapter):
                 x = self._linear_attention(block.linear_attn, x, cache.layers[i], all_parents, cache.ancestors)
             else:
                 position_embeddings, mask = attention
-                x, _ = block.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
-                                       past_key_values=KVView(cache.layers[i], pending=parents is not None))
+                with tree_sdpa_backends():
+                    x, _ = block.self_attn(hidden_states=x, position_embeddings=position_embeddings,
+                                           attention_mask=mask,
+                                           past_key_values=KVView(cache.layers[i], pending=parents is not None))
             x, h = self._norm(block.post_attention_layernorm, x, residual=h)
             h = h + self._mlp(block.mlp, x)
             if i + 1 in hidden_layers:

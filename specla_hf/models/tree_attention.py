@@ -11,10 +11,27 @@ drafter's layer (``specla_hf.drafters.mtp``) both attend this way.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specla_hf.cache import SpecLAAttentionLayer
+from specla_kernels import tuning
 from specla_kernels.reference import tree_depth
+
+
+def tree_sdpa_backends() -> contextlib.AbstractContextManager:
+    """The SDPA backends a call of many tokens may use (``tuning``'s ``tree_attention_backends``; none named: torch's
+    choice), as a context around the attention modules' calls (a capture records the kernels chosen inside)."""
+    names = tuning.active().tree_attention_backends
+    if not names:
+        return contextlib.nullcontext()
+    unknown = [n for n in names if n.upper() not in SDPBackend.__members__ or n.upper() == "ERROR"]
+    if unknown:
+        raise ValueError(f"unknown SDPA backends {unknown}; choose from "
+                         f"{sorted(m.lower() for m in SDPBackend.__members__ if m != 'ERROR')}")
+    return sdpa_kernel([SDPBackend.__members__[n.upper()] for n in names])
 
 
 class KVView:
