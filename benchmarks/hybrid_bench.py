@@ -264,8 +264,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--tree-attention", default="",
-                    help="SDPA backends for the attention calls of many tokens, comma-separated (e.g. math, "
-                         "efficient_attention; default: torch's choice): an A/B of the tree-masked attention")
+                    help="SDPA backends for the attention modules' calls (verify, prompt chains, the MTP head), "
+                         "comma-separated (e.g. math, efficient_attention; default: torch's choice): an A/B of the "
+                         "tree-masked attention")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     backends = tuple(b for b in args.tree_attention.split(",") if b)

@@ -685,7 +685,7 @@ def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):
 
 
 def test_tree_attention_backends_choose_kernels_not_tokens():
-    """``tuning``'s ``tree_attention_backends`` picks the SDPA kernels of the attention calls of many tokens (an A/B
+    """``tuning``'s ``tree_attention_backends`` picks the SDPA kernels of the attention modules' calls (an A/B
     on a GPU, ``hybrid_bench.py --tree-attention``): greedy output stays plain decoding's, and an unknown backend is
     a clear error naming the choices."""
     model = tiny_hybrid("qwen3_5", seed=4)

@@ -24,6 +24,13 @@ def row_wise(logits_processor: LogitsProcessorList) -> bool:
     return all(type(p) in ROW_WISE_PROCESSORS for p in logits_processor)
 
 
+def row_wise_probs(logits_processor: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
+    """Each row of ``logits [R, V]`` processed alone by row-wise processors (``row_wise``: they read no sequence, so an
+    empty one stands for every row's), in fp32, as a distribution: what plain sampling draws from."""
+    empty = torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device)
+    return logits_processor(empty, logits.float()).softmax(-1)
+
+
 def processor_key(logits_processor: LogitsProcessorList) -> tuple:
     """What the processors compute: each one's class and scalar settings (temperature, top-k, top-p, penalties)."""
     return tuple((type(p).__name__, *sorted((k, v) for k, v in vars(p).items()

@@ -14,7 +14,7 @@ import time
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from specla_hf.loop.acceptance import processor_key, row_wise
+from specla_hf.loop.acceptance import processor_key, row_wise, row_wise_probs
 from specla_hf.runtime.transfer import HostCopy, copy_in, to_device
 
 
@@ -35,9 +35,7 @@ class ARStep:
         if self.sampling is None:
             self.token.copy_(logits.argmax(-1, keepdim=True))
             return
-        # row-wise processors read no sequence: an empty one stands for it
-        scores = self.sampling(self.token.new_empty(1, 0), logits.float())
-        self.token.copy_(torch.multinomial(torch.softmax(scores, -1), num_samples=1))
+        self.token.copy_(torch.multinomial(row_wise_probs(self.sampling, logits), num_samples=1))
 
     def __call__(self) -> None:
         graphs = self.target.graphs

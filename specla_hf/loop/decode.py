@@ -27,7 +27,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specla_hf.loop.acceptance import (DeviceAcceptance, accept_path, greedy_accept, processor_key, row_wise,
-                                      sample_accept)
+                                      row_wise_probs, sample_accept)
 from specla_hf.loop.autoregressive import ARDriver, ar_step_seconds
 from specla_hf.loop.policy import FallbackPolicy, fallback_memory
 from specla_hf.loop.stats import SpecLAStats
@@ -145,9 +145,9 @@ class DeviceDriver:
         ancestors = self.cache.ancestors[0, :n, :n]
         if self.sampling is None:
             acc = greedy_accept(tokens[0], parents[0], ancestors, out.logits[0].argmax(-1), self.cap)
-        else:            # row-wise processors read no sequence: an empty one stands for every node's context
-            scores = self.sampling(tokens.new_empty(n, 0), out.logits[0].float())
-            acc = sample_accept(tokens[0], parents[0], ancestors, scores.softmax(-1), self.cap)
+        else:
+            acc = sample_accept(tokens[0], parents[0], ancestors, row_wise_probs(self.sampling, out.logits[0]),
+                                self.cap)
         self.cache.commit(acc.node, path=(acc.path[None], acc.length))
         self.drafter.catch_up(out.hidden_states, acc)
         return acc

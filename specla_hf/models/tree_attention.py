@@ -22,16 +22,17 @@ from specla_kernels.reference import tree_depth
 
 
 def tree_sdpa_backends() -> contextlib.AbstractContextManager:
-    """The SDPA backends a call of many tokens may use (``tuning``'s ``tree_attention_backends``; none named: torch's
-    choice), as a context around the attention modules' calls (a capture records the kernels chosen inside)."""
+    """The SDPA backends the attention modules' calls over a ``KVView`` may use (``tuning``'s
+    ``tree_attention_backends``; none named: torch's choice), as a context around those calls (a capture records the
+    kernels chosen inside). The fused one-token step calls the attention function itself, outside it."""
     names = tuning.active().tree_attention_backends
     if not names:
         return contextlib.nullcontext()
-    unknown = [n for n in names if n.upper() not in SDPBackend.__members__ or n.upper() == "ERROR"]
+    choices = {m.lower(): b for m, b in SDPBackend.__members__.items() if m != "ERROR"}
+    unknown = [n for n in names if n not in choices]
     if unknown:
-        raise ValueError(f"unknown SDPA backends {unknown}; choose from "
-                         f"{sorted(m.lower() for m in SDPBackend.__members__ if m != 'ERROR')}")
-    return sdpa_kernel([SDPBackend.__members__[n.upper()] for n in names])
+        raise ValueError(f"unknown SDPA backends {unknown}; choose from {sorted(choices)}")
+    return sdpa_kernel([choices[n] for n in names])
 
 
 class KVView:
