@@ -8,6 +8,8 @@ import torch
 from transformers import (LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
                           TopKLogitsWarper)
 from transformers.generation.streamers import BaseStreamer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybrid_models import FAMILIES, MODEL_CLASSES, VOCAB, tiny_hybrid, tiny_qwen3_5_vl
 from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
@@ -685,16 +687,19 @@ def test_a_failed_capture_runs_that_call_eagerly(monkeypatch):
 
 
 def test_tree_attention_backends_choose_kernels_not_tokens():
-    """``tuning``'s ``tree_attention_backends`` picks the SDPA kernels of the attention modules' calls (an A/B
-    on a GPU, ``hybrid_bench.py --tree-attention``): greedy output stays plain decoding's, and an unknown backend is
-    a clear error naming the choices."""
+    """``tuning``'s ``tree_attention_backends`` picks the kernels of the attention modules' calls (an A/B on a GPU,
+    ``hybrid_bench.py --tree-attention``): greedy output stays plain decoding's, transformers' attention registry
+    is left as it was, and an unknown backend is a clear error naming the choices."""
     model = tiny_hybrid("qwen3_5", seed=4)
     drafter = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(61))
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
-    with tuning.using(tree_attention_backends=("math",)):
-        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, tree=True,
-                                          confidence_threshold=0.0), plain)
+    for backends in (("math",), ("specla", "math"), ()):
+        with tuning.using(tree_attention_backends=backends):
+            assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                                              tree=True, confidence_threshold=0.0), plain)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     with tuning.using(tree_attention_backends=("fastest",)):
-        with pytest.raises(ValueError, match=r"unknown SDPA backends \['fastest'\]; choose from .*'math'"):
+        with pytest.raises(ValueError, match=r"unknown attention backends \['fastest'\]; choose from .*'math'.*'specla'"):
             model.generate(ids, max_new_tokens=4, do_sample=False, assistant_model=drafter)

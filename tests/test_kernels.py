@@ -23,6 +23,7 @@ from specla_kernels import ops
 from specla_kernels import reference as ref
 from specla_kernels.ops import commit_, commit_state_, commit_window_
 from specla_kernels.gate import gdn_gate_beta
+from specla_kernels.masked_attention import masked_attention as masked_attention_kernel
 from specla_kernels.topk import row_topk as topk_kernel
 from specla_kernels.tree_conv import tree_conv
 from specla_kernels.tree_delta import INTERPRETED, tree_ancestors, tree_gated_delta_rule
@@ -843,3 +844,37 @@ def test_ops_dispatch(device):
     s = state.clone()
     assert ops.commit_state_(s, k_hat, u, g, parents, accepted) is s
     check(s, ref.commit_state_ref(state, k_hat, u, g, parents, accepted), 1e-3, "ops.commit_state_")
+
+
+# (B, H, KV heads, D, buffer slots) of the masked attention: tiny and odd on CPU; on CUDA Qwen3.5's attention layers
+# (0.8B: 8 / 2 heads of 256; 9B: 16 / 4) at a graphed cache's 2048 slots, and a short unaligned buffer
+MASKED_ATTENTION_SHAPES = {"cpu": [(1, 4, 2, 16, 37), (2, 3, 1, 24, 150)],
+                           "cuda": [(1, 8, 2, 256, 2048), (1, 16, 4, 256, 2048), (2, 6, 2, 128, 333)]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_masked_attention_matches_reference(device, dtype):
+    """The split-KV masked attention against ``masked_attention_ref`` under the masks the hybrids build: a committed
+    prefix (empty, short, or reaching into the last tile), then tree nodes each seeing its ancestors and itself, the
+    rest hidden; one query (the one-token step) up to more query rows than one program holds; the slot ranges one
+    or several (merged), some of them wholly hidden."""
+    gen = seeded(dtype, "masked_attention")
+    for B, H, KV, D, S in MASKED_ATTENTION_SHAPES[device]:
+        for T, splits in ((1, None), (7, 1), (16, 3), (33, None)):
+            if T > S // 2:
+                continue
+            q = torch.randn(B, T, H, D, generator=gen).to(device, dtype).transpose(1, 2)  # the module's layout
+            k, v = (torch.randn(B, KV, S, D, generator=gen).to(device, dtype) for _ in range(2))
+            seen = torch.zeros(B, T, S, dtype=torch.bool)
+            for b in range(B):
+                prefix = int(torch.randint(0, S - T + 1, (1,), generator=gen)) if b else S // 2 - T
+                parents = random_parents("bushy", 1, T, gen)
+                seen[b, :, :prefix] = True
+                seen[b, :, prefix:prefix + T] = ref.tree_ancestors(parents)[0]
+            mask = torch.zeros(B, 1, T, S, dtype=dtype).masked_fill_(~seen[:, None], torch.finfo(dtype).min)
+            mask = mask.to(device)
+            want = ref.masked_attention_ref(q, k, v, mask, D ** -0.5)
+            got = masked_attention_kernel(q, k, v, mask, D ** -0.5, splits)
+            tol = TOL[dtype]
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"T={T} S={S}: {m}")

@@ -15,6 +15,7 @@ from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import gate as _gate
 from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import gemv as _gemv
+from specla_kernels import masked_attention as _masked_attention
 from specla_kernels import qk_norm_rope as _qk_norm_rope
 from specla_kernels import topk as _topk
 from specla_kernels import tree_conv as _tree_conv
@@ -163,3 +164,22 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
                                                  length, num_heads)
     return reference.qk_norm_rope_append_ref(qkv, q_weight, k_weight, eps, cos, sin, key_buffer, value_buffer,
                                              length, num_heads)
+
+
+def masked_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether ``masked_attention``'s kernel takes these inputs: one mask for every head, unit-stride head dims of at
+    most 256, whole key/value groups, at most 1024 query rows per key/value head."""
+    B, H, T, D = q.shape
+    return (mask.dim() == 4 and mask.shape[0] in (1, B) and mask.shape[1] == 1 and k.shape == v.shape
+            and k.shape[1] and H % k.shape[1] == 0 and D <= 256 and (H // k.shape[1]) * T <= 1024
+            and q.stride(3) == k.stride(3) == v.stride(3) == 1 and q.dtype == k.dtype == v.dtype)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of a few queries over a KV buffer under an additive mask, grouped key/value heads (see
+    ``masked_attention_ref``); the kernel skips tiles of hidden slots. Inputs it does not take
+    (``masked_attention_applies``) run the reference."""
+    if use_triton(q) and masked_attention_applies(q, k, v, mask):
+        return _masked_attention.masked_attention(q, k, v, mask.expand(q.shape[0], *mask.shape[1:]), scale)
+    return reference.masked_attention_ref(q, k, v, mask, scale)

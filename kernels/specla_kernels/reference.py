@@ -390,3 +390,20 @@ def qk_norm_rope_append_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight:
     key_buffer.scatter_(2, slot, norm_rope(k, k_weight).view(1, KV, 1, D))
     value_buffer.scatter_(2, slot, v.view(1, KV, 1, D))
     return norm_rope(q, q_weight)
+
+
+# mask entries at or below this count as hidden (``masked_attention``'s kernel skips tiles of them)
+HIDDEN = -1e4
+
+
+def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Softmax attention of queries ``q [B, H, T, D]`` over keys and values ``k, v [B, HKV, S, D]`` (query head ``h``
+    reads key/value head ``h // (H / HKV)``) under the additive ``mask [B, 1, T, S]``, computed in fp32: output
+    ``[B, T, H, D]`` in ``q``'s dtype (the layout transformers' attention functions return). A row whose every mask
+    entry is at or below ``HIDDEN`` sees nothing: zeros."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)
+    s = q.float() @ k.transpose(-1, -2) * scale + mask.float()
+    o = torch.softmax(s, -1) @ v * (mask > HIDDEN).any(-1, keepdim=True)
+    return o.transpose(1, 2).to(q.dtype)

@@ -50,11 +50,11 @@ class KernelTuning:
     # the WY/UT kernel's solve per padded node count: trees of depth <= this by sweeps, deeper ones by the block solve
     # (absent: the block solve always); at 64 nodes sweeps take 229-356 us by depth, the block solve ~400
     tree_sweeps: Mapping[int, int] = field(default_factory=lambda: {64: 16, 128: 16})
-    # the SDPA backends (``torch.nn.attention.SDPBackend`` names, lower case) the hybrids' attention modules may use
-    # (verify passes, prompt chains, the MTP head, the general path's one-token calls; not the fused one-token step's
-    # attention); empty: torch's choice. On the H200 torch's choice for a tree mask is cuDNN's kernel, 117-120 us a
-    # call at a 2048-slot cache (the one-token call's kernel: 8.6-16 us)
-    tree_attention_backends: tuple[str, ...] = ()
+    # the kernels of the hybrids' attention calls (verify passes, prompt chains, the MTP head, the one-token step):
+    # "specla" for ``ops.masked_attention``'s kernel where it takes the call, and/or SDPA backends
+    # (``torch.nn.attention.SDPBackend`` names, lower case) for the rest; empty: SDPA, torch's choice. On the H200
+    # torch's choice for a tree mask is cuDNN's kernel, 117-120 us a call at a 2048-slot cache
+    tree_attention_backends: tuple[str, ...] = ("specla",)
 
 
 _ACTIVE = [KernelTuning()]

@@ -45,7 +45,7 @@ from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, experts_blocker, text_decoder
-from specla_hf.models.tree_attention import KVView, attention_inputs, tree_sdpa_backends
+from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
 
 # text-config model_type -> (modeling module, decoder-layer class, RMSNorm class) the MTP layer is built from
 FAMILIES = {
@@ -204,7 +204,7 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
             ancestors = cache.ancestors[:, pending_before:]
         embeds = self.embeddings(tokens)
         rotary, mask = attention_inputs(self.rotary_emb, embeds, layer, ancestors)
-        with tree_sdpa_backends():
+        with attention_kernels():
             out = self.model(embeds, hidden, rotary, mask, KVView(layer, pending=parents is not None))
         top = out if logits_positions is None else out[:, logits_positions]
         return RunnerOutput(torch.log_softmax(self.lm_head(top), -1, dtype=torch.float32), (out,))

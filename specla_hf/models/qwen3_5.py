@@ -41,7 +41,7 @@ from specla_hf.models import fla_backend as backend
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
 from specla_hf.models.one_token import fused_rows, recurrent_step_, unit_offset_weight
-from specla_hf.models.tree_attention import KVView, attention_inputs, tree_sdpa_backends
+from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
@@ -277,7 +277,7 @@ class HybridRunner(GraphedAdapter):
                 x = self._linear_attention(block.linear_attn, x, cache.layers[i], all_parents, cache.ancestors)
             else:
                 position_embeddings, mask = attention
-                with tree_sdpa_backends():
+                with attention_kernels():
                     x, _ = block.self_attn(hidden_states=x, position_embeddings=position_embeddings,
                                            attention_mask=mask,
                                            past_key_values=KVView(cache.layers[i], pending=parents is not None))
@@ -330,10 +330,11 @@ class HybridRunner(GraphedAdapter):
         q = ops.qk_norm_rope_append(qkv, unit_offset_weight(m.q_norm), unit_offset_weight(m.k_norm), m.q_norm.eps,
                                     cos.view(-1), sin.view(-1), layer.key_buffer, layer.value_buffer, layer.length, H)
         layer.committed_grew(1)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation,
-                                                       sys.modules[type(m).__module__].eager_attention_forward)
-        o, _ = attend(m, q.view(1, H, 1, D), layer.key_buffer, layer.value_buffer, mask, dropout=0.0,
-                      scaling=m.scaling)
+        with attention_kernels():
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation,
+                                                           sys.modules[type(m).__module__].eager_attention_forward)
+            o, _ = attend(m, q.view(1, H, 1, D), layer.key_buffer, layer.value_buffer, mask, dropout=0.0,
+                          scaling=m.scaling)
         gate = qkv[:2 * H * D].view(H, 2, D)[:, 1]
         return ops.gemv(m.o_proj.weight, (o.view(H, D) * torch.sigmoid(gate)).view(-1))
 

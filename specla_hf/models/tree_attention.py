@@ -6,7 +6,8 @@ layer and returns its whole buffers; the mask lets each new token see the commit
 tokens up to itself or, verifying, its own ancestors among the pending nodes (itself included), and hides the unused
 rest; a token sits at position ``committed + offset`` (its index among the consumed tokens, or its depth in the
 tree). Mask and positions are computed on the device from the layer's committed length, so the calls are
-capturable in CUDA graphs. ``HybridRunner``'s full-attention layers (``specla_hf.models.qwen3_5``) and the MTP
+capturable in CUDA graphs. Inside ``attention_kernels()`` an SDPA model's attention runs ``ops.masked_attention``'s
+Triton kernel, which skips the hidden slots of the buffer. ``HybridRunner``'s full-attention layers (``specla_hf.models.qwen3_5``) and the MTP
 drafter's layer (``specla_hf.drafters.mtp``) both attend this way.
 """
 from __future__ import annotations
@@ -16,23 +17,63 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
 from specla_hf.cache import SpecLAAttentionLayer
-from specla_kernels import tuning
+from specla_kernels import ops, tuning
 from specla_kernels.reference import tree_depth
 
 
-def tree_sdpa_backends() -> contextlib.AbstractContextManager:
-    """The SDPA backends the attention modules' calls over a ``KVView`` may use (``tuning``'s
-    ``tree_attention_backends``; none named: torch's choice), as a context around those calls (a capture records the
-    kernels chosen inside). The fused one-token step calls the attention function itself, outside it."""
+KERNEL = "specla"        # ``tree_attention_backends``' name for ``ops.masked_attention``'s kernel
+
+
+def attention_kernels() -> contextlib.AbstractContextManager:
+    """The kernels the hybrids' attention calls use (``tuning``'s ``tree_attention_backends``), as a context around
+    those calls (a capture records the kernels chosen inside): ``"specla"`` runs ``ops.masked_attention``'s Triton
+    kernel for an SDPA model's calls it takes (``specla_masked_attention``), SDPA backend names (lower case
+    ``torch.nn.attention.SDPBackend`` members) restrict the other calls; none named: torch's choice."""
     names = tuning.active().tree_attention_backends
-    if not names:
-        return contextlib.nullcontext()
-    choices = {m.lower(): b for m, b in SDPBackend.__members__.items() if m != "ERROR"}
-    unknown = [n for n in names if n not in choices]
+    sdpa = {m.lower(): b for m, b in SDPBackend.__members__.items() if m != "ERROR"}
+    unknown = [n for n in names if n not in sdpa and n != KERNEL]
     if unknown:
-        raise ValueError(f"unknown SDPA backends {unknown}; choose from {sorted(choices)}")
-    return sdpa_kernel([choices[n] for n in names])
+        raise ValueError(f"unknown attention backends {unknown}; choose from {sorted(sdpa) + [KERNEL]}")
+    stack = contextlib.ExitStack()
+    backends = [sdpa[n] for n in names if n != KERNEL]
+    if backends:
+        stack.enter_context(sdpa_kernel(backends))
+    if KERNEL in names:
+        stack.enter_context(_sdpa_replaced())
+    return stack
+
+
+@contextlib.contextmanager
+def _sdpa_replaced():
+    """``ALL_ATTENTION_FUNCTIONS["sdpa"]`` is ``specla_masked_attention`` inside (the attention modules look their
+    function up at each call); not thread-safe, as any change of a global registry."""
+    replaced = ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = specla_masked_attention
+    try:
+        yield
+    finally:
+        if replaced is None:
+            del ALL_ATTENTION_FUNCTIONS["sdpa"]
+        else:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = replaced
+
+
+def specla_masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs):
+    """transformers' attention-function signature: ``ops.masked_attention``'s kernel where it runs and takes the call
+    (Triton on the tensors' device, an explicit additive mask, no dropout, no other options), stock SDPA otherwise."""
+    if (ops.use_triton(query) and attention_mask is not None and not dropout
+            and all(v is None or v is False for v in kwargs.values())
+            and attention_mask.dtype == query.dtype and attention_mask.shape[-1] == key.shape[2]
+            and ops.masked_attention_applies(query, key, value, attention_mask)):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return ops.masked_attention(query, key, value, attention_mask, scale), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
 class KVView:
