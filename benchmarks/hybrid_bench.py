@@ -65,12 +65,14 @@ class OracleDrafts:
     def __init__(self, vocab_size: int, device: torch.device):
         self.scale = torch.zeros((), device=device)      # tensors the captured graphs read: changed in place
         self.successor = torch.zeros(vocab_size, dtype=torch.long, device=device)
+        self.draft_index = torch.arange(vocab_size, device=device)      # a token's row among the head's logits
         self.compute = compute = _MTPRunner.compute
 
         def oracle(runner, inputs, cache, parents, logits_positions, hidden_layers):
             out = compute(runner, inputs, cache, parents, logits_positions, hidden_layers)
             tokens = inputs[1] if logits_positions is None else inputs[1][:, logits_positions]
-            hot = torch.zeros_like(out.logits).scatter_(-1, self.successor[tokens][..., None], self.BOOST)
+            rows = self.draft_index[self.successor[tokens]]
+            hot = torch.zeros_like(out.logits).scatter_(-1, rows[..., None], self.BOOST)
             out.logits.copy_(torch.log_softmax(hot + torch.randn_like(hot) * self.scale, -1))
             return out
         _MTPRunner.compute = oracle
@@ -78,6 +80,11 @@ class OracleDrafts:
     def remove(self) -> None:
         """The MTP head's own drafts again (for the next shape: a head of another vocabulary must not read these)."""
         _MTPRunner.compute = self.compute
+
+    def restrict(self, draft_vocab: torch.Tensor) -> None:
+        """The head drafts from ``draft_vocab`` (sorted ids holding every successor): its logits are over those."""
+        self.draft_index[draft_vocab.to(self.draft_index.device)] = torch.arange(len(draft_vocab),
+                                                                                device=self.draft_index.device)
 
     def expect(self, sequence: torch.Tensor) -> None:
         """The target's greedy ``sequence [1, L]`` (prompt and continuation): each token's successor in it (the last
@@ -158,18 +165,21 @@ def profile_call(target, ids, n_new: int, path: Path, **kwargs) -> None:
 
 
 def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, stock_prompts: int,
-                noises: list[float] | None = None, profile_dir: Path | None = None) -> list[dict]:
+                noises: list[float] | None = None, profile_dir: Path | None = None,
+                draft_vocab: int | None = None) -> list[dict]:
     """Stock, SpecLA AR and every drafter x method on ``ids_list``; with ``noises`` (random shapes), the MTP head's
-    drafts come from ``OracleDrafts`` at each noise scale."""
+    drafts come from ``OracleDrafts`` at each noise scale, over a draft vocabulary of ``draft_vocab`` tokens if given."""
     oracle = OracleDrafts(target.config.vocab_size, target.device) if noises else None
     try:
-        return _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises, profile_dir, oracle)
+        return _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises, profile_dir, oracle,
+                            draft_vocab)
     finally:
         if oracle is not None:
             oracle.remove()
 
 
-def _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises, profile_dir, oracle) -> list[dict]:
+def _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises, profile_dir, oracle,
+                 draft_vocab) -> list[dict]:
     target.generation_config.eos_token_id = None                  # fixed-length runs
     params = sum(p.numel() for p in target.parameters())
     # warm-up: every method on every prompt before anything is timed (fla's prompt kernels autotune for each new
@@ -190,6 +200,17 @@ def _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises
     log(f"{shape}: stock {stock:.2f} ms/token, SpecLA AR {ar:.2f} ms/token")
     continuations = ([target.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True) for ids in ids_list]
                      if oracle else None)
+    vocab = None
+    if oracle and draft_vocab and draft_vocab < target.config.vocab_size:
+        # the continuations' tokens (the oracle's drafts), then the lowest other ids: the cost of a draft vocabulary
+        # of that size, whichever tokens a corpus would pick
+        seen = torch.cat([c[0] for c in continuations]).unique().cpu()
+        others = torch.ones(target.config.vocab_size, dtype=torch.bool)
+        others[seen] = False
+        vocab = torch.cat([seen, others.nonzero()[:draft_vocab - len(seen), 0]]).sort().values
+        drafters["mtp"].restrict_vocabulary(vocab)
+        oracle.restrict(vocab)
+    base["draft_vocab"] = None if vocab is None else len(vocab)
     for name, drafter in drafters.items():
         for noise in (noises or [None]) if name == "mtp" else [None]:
             for method, kw in METHODS.items():
@@ -263,10 +284,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--tree-attention", default="",
-                    help="SDPA backends for the attention modules' calls (verify, prompt chains, the MTP head), "
-                         "comma-separated (e.g. math, efficient_attention; default: torch's choice): an A/B of the "
-                         "tree-masked attention")
+    ap.add_argument("--tree-attention", default="specla",
+                    help="the attention calls' kernels (verify, prompt chains, the MTP head, the one-token step), "
+                         "comma-separated: specla (our masked-attention kernel), SDPA backends (e.g. "
+                         "cudnn_attention, efficient_attention, math); empty: SDPA, torch's choice")
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="the MTP head's draft vocabulary at the random shapes (0: the whole vocabulary)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     backends = tuple(b for b in args.tree_attention.split(",") if b)
@@ -282,13 +305,13 @@ def bench(args, backends: tuple[str, ...]) -> None:
                 for t in prompts(args.eval_dir, args.per_set)]
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": str(dtype),
             "prompts": len(ids_list), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-            "tree_attention_backends": list(backends) or "torch's choice"}
+            "tree_attention_backends": list(backends) or "torch's choice", "draft_vocab": args.draft_vocab or None}
     records = []
     for shape in args.shapes.split(","):
         target, drafters = (trained_pair(dtype, args.device) if shape == "trained" else random_pair(shape, dtype, args.device))
         noises = None if shape == "trained" else [float(x) for x in args.noise.split(",")]
         records += bench_shape(shape, target, drafters, ids_list, args.max_new_tokens, args.stock_prompts, noises,
-                               args.out if args.profile else None)
+                               args.out if args.profile else None, args.draft_vocab)
         (args.out / "hybrid_bench.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
         del target, drafters
         if args.device == "cuda":

@@ -32,6 +32,7 @@ _PUBLIC = {
     "DartDrafter": "specla_hf.drafters.dart",
     "MTPDrafter": "specla_hf.drafters.mtp",
     "MTPTreeDrafter": "specla_hf.drafters.mtp",
+    "frequent_tokens": "specla_hf.drafters.mtp",
     "GDNRunner": "specla_hf.models.fla_gdn",
     "adapter_for": "specla_hf.models",
 }

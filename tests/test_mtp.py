@@ -20,7 +20,7 @@ from tiny_checkpoints import hub_snapshot, run_offline
 from hybrid_models import VOCAB, spread_weights_, tiny_hybrid, tiny_qwen3_5_vl
 from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
 from test_hybrid import emulate_hybrid_graphs
-from specla_hf import MTPDrafter, speculative_decode
+from specla_hf import MTPDrafter, frequent_tokens, speculative_decode
 from specla_hf.drafters import mtp_checkpoint
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.generation import draft_options
@@ -222,6 +222,41 @@ def test_greedy_identical_to_plain(trained, tree, threshold):
         accepted, drafted = accepted + sum(stats.accepted), drafted + sum(stats.draft_nodes)
         longest = max(longest, *stats.accepted)
     assert 0 < accepted < drafted and longest >= 3
+
+
+def test_draft_vocabulary_drafts_its_tokens_only(trained):
+    """A restricted draft vocabulary: decoding stays plain decoding's; the whole vocabulary as the restriction drafts
+    and accepts exactly what the unrestricted head does; the continuation's most frequent tokens still get drafts
+    accepted, and a vocabulary without any of the continuation's tokens none (a draft index read as a token id would
+    draft ids 0.. and hit some); bad ids are a clear error."""
+    out, _, target, _ = trained
+    head = MTPDrafter.from_pretrained(out)
+    gen = torch.Generator().manual_seed(29)
+    cases = [(torch.randint(0, 256, (1, n_prompt), generator=gen), n_new) for n_prompt, n_new in ((1, 30), (9, 40))]
+    plains = [target.generate(ids, max_new_tokens=n, do_sample=False) for ids, n in cases]
+    emitted = torch.cat([p[0, ids.shape[1]:] for p, (ids, _) in zip(plains, cases)])
+    frequent = frequent_tokens([emitted], 256, 24)
+    assert frequent.tolist() == sorted(frequent.tolist()) and len(frequent) == 24
+    assert torch.bincount(emitted, minlength=256)[frequent].min() >= torch.bincount(emitted, minlength=256).sort(
+        descending=True).values[23]
+
+    def run(vocab, tree):
+        head.restrict_vocabulary(vocab)
+        accepted, nodes = [], []
+        for (ids, n), plain in zip(cases, plains):
+            spec = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=head, tree=tree,
+                                   confidence_threshold=0.0)
+            assert torch.equal(spec, plain), (vocab is None, tree)
+            accepted, nodes = accepted + target.specla_stats.accepted, nodes + target.specla_stats.draft_nodes
+        return accepted, nodes
+    for tree in (False, True):
+        full = run(None, tree)
+        assert run(torch.arange(256).flip(0), tree) == full
+        assert sum(run(frequent, tree)[0]) > 0
+        unseen = torch.tensor(sorted(set(range(256)) - set(emitted.tolist())))
+        assert sum(run(unseen, tree)[0]) == 0
+    with pytest.raises(ValueError, match=r"token ids in \[0, 256\); got 2 ids from 3 to 256"):
+        head.restrict_vocabulary([3, 256])
 
 
 @pytest.mark.parametrize("model", ["qwen3_5_moe", "qwen3_next", "qwen3_5_vl"])

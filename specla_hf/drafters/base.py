@@ -199,6 +199,8 @@ class DynamicTreeDrafter:
     # whether the drafter implements ``catch_up`` and ``advance``: the device loop then runs whenever its tree is
     # selected on the device (``device_tree``, no confidence threshold)
     catches_up_on_device: bool = False
+    # the token ids the drafter's log-probs are over, on the device (``MTPDrafter.restrict_vocabulary``); None: all
+    draft_vocab: torch.Tensor | None = None
 
     def __init__(self, options: DraftOptions):
         self.options = options
@@ -271,6 +273,8 @@ class DynamicTreeDrafter:
         else:
             logp = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))    # the frontier's log-probs
         top_logp, top_token = ops.row_topk(logp, K)
+        if self.draft_vocab is not None:                          # indices into the draft vocabulary: token ids
+            top_token = self.draft_vocab[top_token]
         # record the F x K candidates, expand the K most confident (EAGLE-2): the next depth's frontier
         ops.expand_frontier(top_logp, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
                             b.cand[:, d - 1], b.tokens, b.parents, b.frontier_score[d], b.frontier_cand[d], n,

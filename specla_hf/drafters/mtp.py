@@ -26,6 +26,11 @@ are (each draft node sees the committed positions and its ancestors), committed 
 
 On CUDA the runner's calls are CUDA graphs, as the hybrid target's are: its cache has a fixed capacity, reserved for
 the generation's length when the loop starts the drafter (``DynamicTreeDrafter.reserve``).
+
+A draft vocabulary (``MTPDrafter.restrict_vocabulary``, e.g. the ``frequent_tokens`` of a corpus) keeps the 248K-row
+LM head out of drafting: each draft depth then multiplies by those rows only, and its log-softmax and top-k run over
+them (EAGLE-3 drafts over 32K tokens so). The target still verifies over its whole vocabulary, so decoding stays
+lossless; a token outside the draft vocabulary is never drafted, only emitted by the target.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.modeling_layers import MtpLayer
 
@@ -71,6 +77,17 @@ def check_config(config: PretrainedConfig) -> None:
                          "target's embeddings")
 
 
+def frequent_tokens(sequences, vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids (sorted by id) in ``sequences`` (tensors or lists of token ids, e.g. a
+    corpus tokenized with the target's tokenizer), ties to the lower id: a draft vocabulary
+    (``MTPDrafter.restrict_vocabulary``)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for seq in sequences:
+        counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long).flatten(), minlength=vocab_size)[:vocab_size]
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
 class MTPDrafter(nn.Module):
     """An MTP head's weights (``layer``: transformers' ``MtpLayer``) and the target text config they belong to
     (module docstring). Pass it as ``target.generate(ids, assistant_model=mtp)``: ``specla_hf.generation`` sees
@@ -90,6 +107,7 @@ class MTPDrafter(nn.Module):
         layer_config.layer_types = ["full_attention"]
         layer_config._attn_implementation = "sdpa"
         self.layer = MtpLayer(layer_config, getattr(module, layer_class), getattr(module, norm_class), 0)
+        self.draft_vocab: torch.Tensor | None = None      # sorted token ids it drafts from (None: all)
 
     @property
     def device(self) -> torch.device:
@@ -110,6 +128,20 @@ class MTPDrafter(nn.Module):
         read as it is."""
         (hidden,) = features
         return hidden
+
+    def restrict_vocabulary(self, token_ids) -> MTPDrafter:
+        """Draft from ``token_ids`` only (module docstring; ``None``: the whole vocabulary again); returns the head.
+        The LM-head rows are taken from the target when ``generate`` binds the head to it."""
+        if token_ids is not None:
+            ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()
+            if not ids.numel() or ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+                raise ValueError(f"a draft vocabulary is a non-empty set of token ids in [0, {self.config.vocab_size})"
+                                 f"; got {ids.numel()} ids" + (f" from {int(ids[0])} to {int(ids[-1])}"
+                                                               if ids.numel() else ""))
+            token_ids = ids
+        self.draft_vocab = token_ids
+        self.__dict__.pop("_specla_runner", None)     # its head rows and graphs were for the other vocabulary
+        return self
 
     # ---- loading and saving ----
     @classmethod
@@ -182,6 +214,11 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         self._bind_target(mtp, target, cuda_graphs)
         self.rotary_emb = text_decoder(target).rotary_emb
         self.last_cache: SpecLACache | None = None
+        # the draft vocabulary's LM-head rows, copied once (a fixed tensor the graphs read)
+        self.draft_vocab = None if mtp.draft_vocab is None else mtp.draft_vocab.to(self.device)
+        self.draft_head = None if mtp.draft_vocab is None else self.lm_head.weight.detach()[self.draft_vocab]
+        if self.draft_head is not None and self.lm_head.bias is not None:
+            raise NotImplementedError("a draft vocabulary for an LM head with a bias")
 
     def graph_blocker(self) -> str | None:
         return experts_blocker([self.model.layer.mtp_block.mlp])
@@ -207,7 +244,8 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         with attention_kernels():
             out = self.model(embeds, hidden, rotary, mask, KVView(layer, pending=parents is not None))
         top = out if logits_positions is None else out[:, logits_positions]
-        return RunnerOutput(torch.log_softmax(self.lm_head(top), -1, dtype=torch.float32), (out,))
+        logits = self.lm_head(top) if self.draft_head is None else F.linear(top, self.draft_head)
+        return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (out,))
 
 
 class MTPTreeDrafter(EagleDrafter):
@@ -220,3 +258,4 @@ class MTPTreeDrafter(EagleDrafter):
         decoder = text_decoder(target)
         top = decoder.config.num_hidden_layers
         self._bind(mtp, _MTPRunner.for_drafter(mtp, target), (top,), top, decoder.norm)
+        self.draft_vocab = self.runner.draft_vocab
