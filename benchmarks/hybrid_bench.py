@@ -151,7 +151,7 @@ def profile_call(target, ids, n_new: int, path: Path, **kwargs) -> None:
     """The GPU kernels of one ``generate`` call on ``ids`` (default: SpecLA's autoregressive decoding; graph replays
     included: CUPTI records their kernels), by total GPU time, with the kernel launches per token."""
     from torch.profiler import ProfilerActivity, profile
-    kwargs = kwargs or dict(specla=True)
+    kwargs = dict(kwargs or dict(specla=True), attention_mask=torch.ones_like(ids))     # a pad id may be a token
     target.generate(ids, max_new_tokens=n_new, do_sample=False, **kwargs)          # captured before profiling
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         target.generate(ids, max_new_tokens=n_new, do_sample=False, **kwargs)

@@ -132,17 +132,17 @@ class SpecLAAttentionLayer(CacheLayerMixin):
         slots = self.length[:, None] + torch.arange(self.num_pending, self.num_pending + T, device=self.device)
         for buffer, new in ((self.key_buffer, keys), (self.value_buffer, values)):
             buffer.scatter_(2, self._expand(slots), new)
+        self.stored(T, pending)
+        return self.key_buffer, self.value_buffer
+
+    def stored(self, T: int, pending: bool) -> None:
+        """``T`` keys and values were written after the positions held (``make_room`` first), as pending nodes or
+        committed positions: by ``append``, or by a kernel that writes them itself (``ops.qk_norm_rope_append``)."""
         if pending:
             self.num_pending += T
         else:
-            self.committed_grew(T)
-        return self.key_buffer, self.value_buffer
-
-    def committed_grew(self, T: int) -> None:
-        """``T`` keys and values were written after the committed positions (``make_room`` first), as committed
-        ones: by ``append``, or by a kernel that writes them itself (``ops.qk_norm_rope_append``)."""
-        self.length.add_(T)
-        self.bound += T
+            self.length.add_(T)
+            self.bound += T
 
     def commit_path(self, nodes: torch.Tensor, length: torch.Tensor) -> None:
         """Keep the pending nodes ``nodes[b, :length[b]]`` (a root-to-node path, root first) right after the committed

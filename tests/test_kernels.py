@@ -555,28 +555,35 @@ QK_SHAPES = {"cpu": [(3, 1, 24, 8, 7), (2, 2, 16, 16, 5)], "cuda": [(8, 2, 256, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_qk_norm_rope_append_matches_reference(device, dtype):
-    """The one-token attention kernel against ``qk_norm_rope_append_ref``: queries returned, the key and value written
-    at the committed length and nothing else of the KV buffers touched."""
+    """The attention layer's norm-rotary-append kernel against ``qk_norm_rope_append_ref``: one token (the one-token
+    step) and several (a verify pass: rows of a wider projection, a rotary row per token, written after pending
+    entries), queries returned, keys and values written at their slots and nothing else of the KV buffers touched."""
     from specla_kernels.qk_norm_rope import qk_norm_rope_append
     gen = seeded(dtype, "qk_norm_rope")
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     for H, KV, D, R, capacity in QK_SHAPES[device]:
-        qkv = rnd((2 * H + 2 * KV) * D + 5)[:(2 * H + 2 * KV) * D]
-        q_w = (torch.randn(D, generator=gen) * 0.3 + 1).to(device)         # fp32 scales, as unit_offset_weight
-        k_w = (torch.randn(D, generator=gen) * 0.3 + 1).to(device)
-        angles = torch.rand(R // 2, generator=gen) * 6
-        cos, sin = torch.cat([angles.cos()] * 2).to(device, dtype), torch.cat([angles.sin()] * 2).to(device, dtype)
-        length = torch.tensor([capacity // 2], device=device)
-        buffers = [(rnd(1, KV, capacity, D), rnd(1, KV, capacity, D)) for _ in range(2)]
-        want_buffers = [b.clone() for b in buffers[0]]
-        want = ref.qk_norm_rope_append_ref(qkv, q_w, k_w, 1e-6, cos, sin, *want_buffers, length, H)
-        got_buffers = [b.clone() for b in buffers[0]]
-        got = qk_norm_rope_append(qkv, q_w, k_w, 1e-6, cos, sin, *got_buffers, length, H)
-        tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-        for g, w in zip(got_buffers, want_buffers):
-            torch.testing.assert_close(g, w, rtol=tol, atol=tol)
-            assert not (g != w)[:, :, torch.arange(capacity, device=device) != length].any()
+        for T, first in ((1, 0), (5, 3)):
+            W = (2 * H + 2 * KV) * D
+            qkv = rnd(W + 5)[:W] if T == 1 else rnd(T, W + 7)[:, 2:W + 2]
+            q_w = (torch.randn(D, generator=gen) * 0.3 + 1).to(device)         # fp32 scales, as unit_offset_weight
+            k_w = (torch.randn(D, generator=gen) * 0.3 + 1).to(device)
+            angles = torch.rand(*((T,) if T > 1 else ()), R // 2, generator=gen) * 6
+            cos, sin = (torch.cat([f(angles)] * 2, -1).to(device, dtype) for f in (torch.cos, torch.sin))
+            length = torch.tensor([capacity // 2], device=device)
+            size = capacity + first + T
+            buffers = [(rnd(1, KV, size, D), rnd(1, KV, size, D)) for _ in range(2)]
+            want_buffers = [b.clone() for b in buffers[0]]
+            want = ref.qk_norm_rope_append_ref(qkv, q_w, k_w, 1e-6, cos, sin, *want_buffers, length, H, first)
+            got_buffers = [b.clone() for b in buffers[0]]
+            got = qk_norm_rope_append(qkv, q_w, k_w, 1e-6, cos, sin, *got_buffers, length, H, first)
+            assert got.shape == (T, H, D)
+            tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            written = (torch.arange(size, device=device) - length - first).clamp(-1, T) % (T + 1) < T
+            for g, w, old in zip(got_buffers, want_buffers, buffers[0]):
+                torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+                assert torch.equal(g[:, :, ~written], old[:, :, ~written])
+                assert not torch.equal(g[:, :, written], old[:, :, written])
 
 
 @pytest.mark.parametrize("device", DEVICES)

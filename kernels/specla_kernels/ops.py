@@ -156,14 +156,15 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
 
 def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                         cos: torch.Tensor, sin: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor,
-                        length: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """One token of a Qwen3.5 gated attention layer from its projections to the attention: q/k head norms, rotary,
-    the key and value stored at slot ``length``; returns the queries (see ``qk_norm_rope_append_ref``)."""
+                        length: torch.Tensor, num_heads: int, first: int = 0) -> torch.Tensor:
+    """Tokens of a Qwen3.5 gated attention layer from their projections to the attention: q/k head norms, rotary,
+    token ``t``'s key and value stored at slot ``length + first + t``; returns the queries ``[T, heads, D]`` (see
+    ``qk_norm_rope_append_ref``)."""
     if use_triton(qkv):
         return _qk_norm_rope.qk_norm_rope_append(qkv, q_weight, k_weight, eps, cos, sin, key_buffer, value_buffer,
-                                                 length, num_heads)
+                                                 length, num_heads, first)
     return reference.qk_norm_rope_append_ref(qkv, q_weight, k_weight, eps, cos, sin, key_buffer, value_buffer,
-                                             length, num_heads)
+                                             length, num_heads, first)
 
 
 def masked_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:

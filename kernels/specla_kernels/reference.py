@@ -366,29 +366,34 @@ def gemv_ref(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor,
 
 def qk_norm_rope_append_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                             cos: torch.Tensor, sin: torch.Tensor, key_buffer: torch.Tensor,
-                            value_buffer: torch.Tensor, length: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """One token of a Qwen3.5 gated attention layer between its projections and the attention itself (batch 1):
-    ``qkv`` is ``[q_proj | k_proj | v_proj]``'s output (per query head its query then its output gate, ``2 * D``),
-    the query and key heads are RMS-normed over ``D`` with the fp32 scales ``q_weight`` / ``k_weight`` (a zero-centred
-    norm's ``1 + w``) and rounded, their first ``R = cos.numel()`` dims rotated (``x * cos + rotate_half(x) *
-    sin``), the key and value heads written to slot ``length`` of ``key_buffer`` / ``value_buffer`` ``[1, KV heads,
-    capacity, D]``. Returns the queries ``[num_heads, D]``."""
+                            value_buffer: torch.Tensor, length: torch.Tensor, num_heads: int,
+                            first: int = 0) -> torch.Tensor:
+    """``T`` tokens of a Qwen3.5 gated attention layer between its projections and the attention itself (batch 1):
+    ``qkv [T, W]`` (or ``[W]``, one token) is ``[q_proj | k_proj | v_proj]``'s output (per query head its query
+    then its output gate, ``2 * D``), the query and key heads are RMS-normed over ``D`` with the fp32 scales
+    ``q_weight`` / ``k_weight`` (a zero-centred norm's ``1 + w``) and rounded, their first ``R`` dims rotated
+    (``x * cos + rotate_half(x) * sin``, ``cos, sin [T, R]`` or ``[R]``), token ``t``'s key and value heads written to
+    slot ``length + first + t`` of ``key_buffer`` / ``value_buffer`` ``[1, KV heads, capacity, D]``. Returns the
+    queries ``[T, num_heads, D]``."""
     KV, D = key_buffer.shape[1], key_buffer.shape[3]
     dtype = qkv.dtype
-    q = qkv[:2 * num_heads * D].view(num_heads, 2, D)[:, 0]
-    k = qkv[2 * num_heads * D:(2 * num_heads + KV) * D].view(KV, D)
-    v = qkv[(2 * num_heads + KV) * D:(2 * num_heads + 2 * KV) * D].view(KV, D)
+    qkv = qkv.view(-1, qkv.shape[-1])
+    T = qkv.shape[0]
+    cos, sin = cos.view(-1, 1, cos.shape[-1]).float(), sin.view(-1, 1, sin.shape[-1]).float()     # [T or 1, 1, R]
+    q = qkv[:, :2 * num_heads * D].view(T, num_heads, 2, D)[:, :, 0]
+    k = qkv[:, 2 * num_heads * D:(2 * num_heads + KV) * D].view(T, KV, D)
+    v = qkv[:, (2 * num_heads + KV) * D:(2 * num_heads + 2 * KV) * D].view(T, KV, D)
 
     def norm_rope(x, weight):
         x = x.float()
         y = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight).to(dtype).float()
-        R = cos.numel()
-        rot, rest = y[:, :R], y[:, R:]
-        half = torch.cat([-rot[:, R // 2:], rot[:, :R // 2]], -1)
-        return torch.cat([rot * cos.float() + half * sin.float(), rest], -1).to(dtype)
-    slot = length.view(1, 1, 1, 1).expand(1, KV, 1, D)
-    key_buffer.scatter_(2, slot, norm_rope(k, k_weight).view(1, KV, 1, D))
-    value_buffer.scatter_(2, slot, v.view(1, KV, 1, D))
+        R = cos.shape[-1]
+        rot, rest = y[..., :R], y[..., R:]
+        half = torch.cat([-rot[..., R // 2:], rot[..., :R // 2]], -1)
+        return torch.cat([rot * cos + half * sin, rest], -1).to(dtype)
+    slots = (length.view(1) + first + torch.arange(T, device=length.device)).view(1, 1, T, 1).expand(1, KV, T, D)
+    key_buffer.scatter_(2, slots, norm_rope(k, k_weight).transpose(0, 1)[None])
+    value_buffer.scatter_(2, slots, v.transpose(0, 1)[None])
     return norm_rope(q, q_weight)
 
 

@@ -50,8 +50,9 @@ from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, experts_blocker, text_decoder
-from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
+from specla_hf.models.qwen3_5 import (MASKED_ATTENTION, ZERO_CENTRED_NORMS, HybridRunner, experts_blocker,
+                                      fused_attention, text_decoder)
+from specla_hf.models.tree_attention import attention_inputs
 
 # text-config model_type -> (modeling module, decoder-layer class, RMSNorm class) the MTP layer is built from
 FAMILIES = {
@@ -211,6 +212,10 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
     """
 
     def __init__(self, mtp: MTPDrafter, target, cuda_graphs: bool | None = None):
+        layer = mtp.layer
+        self.one_kernel_norms = all(type(n).__name__ in ZERO_CENTRED_NORMS for n in self._hidden_norms(layer))
+        self.fused_attention = fused_attention(layer.mtp_block.self_attn)
+        self._fuse_block(layer.mtp_block)                 # before any graph reads the parameters
         self._bind_target(mtp, target, cuda_graphs)
         self.rotary_emb = text_decoder(target).rotary_emb
         self.last_cache: SpecLACache | None = None
@@ -222,6 +227,17 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
 
     def graph_blocker(self) -> str | None:
         return experts_blocker([self.model.layer.mtp_block.mlp])
+
+    @staticmethod
+    def _hidden_norms(layer: MtpLayer) -> list:
+        block = layer.mtp_block
+        return [layer.enorm, layer.hnorm, block.input_layernorm, block.post_attention_layernorm] + (
+            [layer.post_norm] if layer.use_post_norm else [])
+
+    def _scaled_norms(self) -> list:
+        attn = self.model.layer.mtp_block.self_attn
+        return ((self._hidden_norms(self.model.layer) if self.one_kernel_norms else [])
+                + ([attn.q_norm, attn.k_norm] if self.fused_attention else []))
 
     def _make_cache(self, batch_size: int, capacity: int, fixed: bool) -> SpecLACache:
         attn = self.model.layer.mtp_block.self_attn
@@ -240,12 +256,28 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
             cache.add_nodes(parents)
             ancestors = cache.ancestors[:, pending_before:]
         embeds = self.embeddings(tokens)
-        rotary, mask = attention_inputs(self.rotary_emb, embeds, layer, ancestors)
-        with attention_kernels():
-            out = self.model(embeds, hidden, rotary, mask, KVView(layer, pending=parents is not None))
+        out = self._mtp_layer(embeds, hidden, layer, attention_inputs(self.rotary_emb, embeds, layer, ancestors),
+                              pending=parents is not None)
         top = out if logits_positions is None else out[:, logits_positions]
         logits = self.lm_head(top) if self.draft_head is None else F.linear(top, self.draft_head)
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (out,))
+
+
+    def _mtp_layer(self, embeds: torch.Tensor, hidden: torch.Tensor, layer: SpecLAAttentionLayer, attention,
+                   pending: bool) -> torch.Tensor:
+        """``MtpLayer.forward`` through the target runner's pieces (one kernel per zero-centred norm, ``_attention``,
+        ``_mlp``): what the module computes, up to where 16-bit intermediates round; its own ops take about twice the
+        launches, and a draft depth is bound by them."""
+        mtp = self.model.layer
+        inputs = [self._norm(mtp.enorm, embeds), self._norm(mtp.hnorm, hidden)]
+        if getattr(mtp.config, "mtp_hidden_states_first", False):
+            inputs.reverse()
+        h = mtp.eh_proj(torch.cat(inputs, -1))
+        block = mtp.mtp_block
+        x = self._attention(block.self_attn, self._norm(block.input_layernorm, h), layer, attention, pending)
+        x, h = self._norm(block.post_attention_layernorm, x, residual=h)
+        h = h + self._mlp(block.mlp, x)
+        return self._norm(mtp.post_norm, h) if mtp.use_post_norm else h
 
 
 class MTPTreeDrafter(EagleDrafter):

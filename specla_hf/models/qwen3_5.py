@@ -18,7 +18,9 @@ A GDN layer's four input projections run as one GEMM (``fuse_projections``). A o
 dense model (autoregressive decoding) goes further (``_decode_step``, ``supports_fused_step``): a GDN layer is four
 GEMVs and the recurrence, with the norms, the short conv, the gated norm, the residual adds and SwiGLU fused around the
 GEMVs (``specla_kernels.gemv``); an attention layer is its fused projection GEMV, one kernel for the head norms,
-rotary and KV write (``ops.qk_norm_rope_append``), the model's attention function and the output projection.
+rotary and KV write (``ops.qk_norm_rope_append``), the model's attention function and the output projection. Calls
+of several tokens (verify passes, prompt chains, the MTP head) compute Qwen3.5's gated attention layers of batch 1 the
+same way with GEMMs (``_attention``), and their zero-centred norms as one kernel each.
 Nothing the host holds changes with the committed length, so the decode-path calls (the one-token step, tree
 verification per bucket, the commit, prompts as chains) of a target or a drafter run as CUDA graphs through
 ``GraphedAdapter``.
@@ -111,6 +113,14 @@ def experts_blocker(mlps) -> str | None:
     return f"the MoE blocks ({', '.join(moe)}) cannot be captured as CUDA graphs" if moe else None
 
 
+def fused_attention(m) -> bool:
+    """Whether ``HybridRunner._attention`` computes this full-attention module's calls itself (batch 1): gated queries
+    (q_proj gives each head its query and output gate), zero-centred q/k norms of one eps, bias-free projections."""
+    return (type(m.q_norm).__name__ in ZERO_CENTRED_NORMS and m.q_norm.eps == m.k_norm.eps
+            and m.q_proj.out_features == 2 * m.config.num_attention_heads * m.head_dim
+            and all(lin.bias is None for lin in (m.q_proj, m.k_proj, m.v_proj, m.o_proj)))
+
+
 def supports_fused_step(model) -> bool:
     """Whether ``HybridRunner._decode_step`` computes this model's one-token step: Qwen3.5's GDN layout (separate
     bias-free input projections, power-of-two value heads for the gated norm), dense SwiGLU MLPs, zero-centred
@@ -135,10 +145,8 @@ def supports_fused_step(model) -> bool:
             widths.append(m.value_dim)
         else:
             m = block.self_attn
-            if (type(m.q_norm).__name__ not in ZERO_CENTRED_NORMS or m.q_norm.eps != m.k_norm.eps
-                    or m.q_proj.out_features != 2 * m.config.num_attention_heads * m.head_dim):
+            if not fused_attention(m):
                 return False
-            linears += [m.q_proj, m.k_proj, m.v_proj, m.o_proj]
             widths.append(m.o_proj.in_features)
         if any(lin.bias is not None for lin in linears):
             return False
@@ -156,6 +164,7 @@ class HybridRunner(GraphedAdapter):
 
     fused_step = False        # ``_decode_step`` serves one-token calls (``supports_fused_step``; set per model)
     one_kernel_norms = False  # zero-centred norms as one kernel each (``_norm``; set per model)
+    fused_attention = False   # full-attention calls of batch 1 through ``_attention``'s kernels (set per model)
 
     def __init__(self, model, role: str = "target", cuda_graphs: bool | None = None,
                  bucket_trees: bool | None = None):
@@ -168,18 +177,31 @@ class HybridRunner(GraphedAdapter):
         self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
         self.one_kernel_norms = all(type(n).__name__ in ZERO_CENTRED_NORMS for n in hidden_norms(self.decoder))
+        self.fused_attention = all(fused_attention(b.self_attn) for b, kind in zip(self.blocks, self.config.layer_types)
+                                   if kind == "full_attention")
         for block, kind in zip(self.blocks, self.config.layer_types):   # before any graph reads the parameters
             if kind == "linear_attention":                                # (``fused_rows``)
                 fuse_projections(block.linear_attn)
-            elif self.fused_step:
-                fuse_qkv(block.self_attn)
-            if dense_mlp(block.mlp):
-                fuse_gate_up(block.mlp)
+            self._fuse_block(block)
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
 
     def graph_blocker(self) -> str | None:
         return experts_blocker(block.mlp for block in self.blocks)
+
+    def _fuse_block(self, block) -> None:
+        """Fuse a block's projections that the runner's calls multiply as one (``fused_rows``): before any graph
+        reads the parameters."""
+        if self.fused_attention and hasattr(block, "self_attn"):
+            fuse_qkv(block.self_attn)
+        if dense_mlp(block.mlp):
+            fuse_gate_up(block.mlp)
+
+    def _scaled_norms(self) -> list:
+        """The zero-centred norms whose ``unit_offset_weight`` the runner's calls read."""
+        heads = [n for b in self.blocks if self.fused_attention and hasattr(b, "self_attn")
+                 for n in (b.self_attn.q_norm, b.self_attn.k_norm)]
+        return (hidden_norms(self.decoder) if self.one_kernel_norms else []) + heads
 
     @classmethod
     def for_model(cls, model, role: str = "target") -> "HybridRunner":
@@ -205,11 +227,8 @@ class HybridRunner(GraphedAdapter):
         ``max_length`` positions. With CUDA graphs the runner's one cache per batch size is reset and returned (the
         graphs are bound to its tensors); one too small for ``max_length`` (or ``GRAPHED_CAPACITY`` positions) is
         replaced, and the graphs bound to it are dropped, to be captured again."""
-        if self.one_kernel_norms:       # a weight updated since the graphs were captured: refreshed in place
-            heads = [n for b in self.blocks if self.fused_step and hasattr(b, "self_attn")
-                     for n in (b.self_attn.q_norm, b.self_attn.k_norm)]
-            for norm in hidden_norms(self.decoder) + heads:
-                unit_offset_weight(norm)
+        for norm in self._scaled_norms():     # a weight updated since the graphs were captured: refreshed in place
+            unit_offset_weight(norm)
         if self.graphs is None:
             capacity = 64 if max_length is None else max_length + MAX_TREE_BUCKET
             self.last_cache = self._make_cache(batch_size, capacity, fixed=False)
@@ -276,11 +295,7 @@ class HybridRunner(GraphedAdapter):
             if kind == "linear_attention":
                 x = self._linear_attention(block.linear_attn, x, cache.layers[i], all_parents, cache.ancestors)
             else:
-                position_embeddings, mask = attention
-                with attention_kernels():
-                    x, _ = block.self_attn(hidden_states=x, position_embeddings=position_embeddings,
-                                           attention_mask=mask,
-                                           past_key_values=KVView(cache.layers[i], pending=parents is not None))
+                x = self._attention(block.self_attn, x, cache.layers[i], attention, pending=parents is not None)
             x, h = self._norm(block.post_attention_layernorm, x, residual=h)
             h = h + self._mlp(block.mlp, x)
             if i + 1 in hidden_layers:
@@ -321,22 +336,48 @@ class HybridRunner(GraphedAdapter):
     @staticmethod
     def _attention_step(m, h: torch.Tensor, norm, layer: SpecLAAttentionLayer, attention) -> torch.Tensor:
         """Gated attention module ``m`` on one token ``h [hidden]`` of batch 1: the q|gate, k, v projection (input norm
-        before it), the head norms, rotary and KV write as one kernel (``ops.qk_norm_rope_append``), the module's
-        attention function over the cache under the step's mask, the output gate and projection."""
+        before it), then ``_attend``, with the output projection as a GEMV."""
         (cos, sin), mask = attention
-        H, D = m.config.num_attention_heads, m.head_dim
         qkv = ops.gemv(fuse_qkv(m), h, norm=(unit_offset_weight(norm), norm.eps))
-        layer.make_room(1)
+        o = HybridRunner._attend(m, qkv.view(1, -1), cos, sin, mask, layer, pending=False)
+        return ops.gemv(m.o_proj.weight, o.view(-1))
+
+    def _attention(self, m, x: torch.Tensor, layer: SpecLAAttentionLayer, attention, pending: bool) -> torch.Tensor:
+        """Full-attention module ``m`` on ``x [B, T, hidden]``, consumed or verified as pending tree nodes after
+        ``layer``'s committed positions under ``attention`` (rotary embedding, mask): with ``fused_attention`` and
+        batch 1, its q|gate, k, v projection as one GEMM, then ``_attend``, then the output projection; otherwise
+        the module itself over a ``KVView``."""
+        position_embeddings, mask = attention
+        if not (self.fused_attention and x.shape[0] == 1):
+            with attention_kernels():
+                out, _ = m(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
+                           past_key_values=KVView(layer, pending))
+            return out
+        cos, sin = position_embeddings
+        o = self._attend(m, F.linear(x[0], fuse_qkv(m)), cos[0], sin[0], mask, layer, pending)
+        return F.linear(o, m.o_proj.weight)[None]
+
+    @staticmethod
+    def _attend(m, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                layer: SpecLAAttentionLayer, pending: bool) -> torch.Tensor:
+        """Gated attention module ``m`` from its projections ``qkv [T, W]`` of batch 1 (rotary ``cos, sin [T, R]``):
+        the head norms, rotary and KV write as one kernel (``ops.qk_norm_rope_append``, after the layer's entries),
+        the module's attention function over the cache under ``mask``, the output gate; ``[T, heads * D]``, what the
+        output projection takes. The module's own ops take ~40 launches for this."""
+        T = qkv.shape[0]
+        H, D = m.config.num_attention_heads, m.head_dim
+        layer.make_room(layer.num_pending + T)
         q = ops.qk_norm_rope_append(qkv, unit_offset_weight(m.q_norm), unit_offset_weight(m.k_norm), m.q_norm.eps,
-                                    cos.view(-1), sin.view(-1), layer.key_buffer, layer.value_buffer, layer.length, H)
-        layer.committed_grew(1)
+                                    cos, sin, layer.key_buffer, layer.value_buffer, layer.length, H,
+                                    first=layer.num_pending)
+        layer.stored(T, pending)
         with attention_kernels():
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation,
                                                            sys.modules[type(m).__module__].eager_attention_forward)
-            o, _ = attend(m, q.view(1, H, 1, D), layer.key_buffer, layer.value_buffer, mask, dropout=0.0,
-                          scaling=m.scaling)
-        gate = qkv[:2 * H * D].view(H, 2, D)[:, 1]
-        return ops.gemv(m.o_proj.weight, (o.view(H, D) * torch.sigmoid(gate)).view(-1))
+            o, _ = attend(m, q.view(1, T, H, D).transpose(1, 2), layer.key_buffer, layer.value_buffer, mask,
+                          dropout=0.0, scaling=m.scaling)
+        gate = qkv[:, :2 * H * D].view(T, H, 2, D)[:, :, 1]
+        return (o.view(T, H, D) * torch.sigmoid(gate)).view(T, H * D)
 
     def _norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``, or ``(norm(x + residual), x + residual)``: one kernel for a zero-centred norm."""
