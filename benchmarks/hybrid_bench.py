@@ -81,10 +81,17 @@ class OracleDrafts:
         """The MTP head's own drafts again (for the next shape: a head of another vocabulary must not read these)."""
         _MTPRunner.compute = self.compute
 
-    def restrict(self, draft_vocab: torch.Tensor) -> None:
-        """The head drafts from ``draft_vocab`` (sorted ids holding every successor): its logits are over those."""
-        self.draft_index[draft_vocab.to(self.draft_index.device)] = torch.arange(len(draft_vocab),
-                                                                                device=self.draft_index.device)
+    def restrict(self, head, continuations: list[torch.Tensor], size: int) -> torch.Tensor:
+        """Restrict ``head`` to a draft vocabulary of ``size`` tokens: the ``continuations``' (every successor the
+        oracle drafts), then the lowest other ids (the cost of a draft vocabulary of that size, whichever tokens a
+        corpus would pick). Returns it."""
+        seen = torch.cat([c[0] for c in continuations]).unique().cpu()
+        others = torch.ones(len(self.draft_index), dtype=torch.bool)
+        others[seen] = False
+        vocab = torch.cat([seen, others.nonzero()[:size - len(seen), 0]]).sort().values
+        head.restrict_vocabulary(vocab)
+        self.draft_index[vocab.to(self.draft_index.device)] = torch.arange(len(vocab), device=self.draft_index.device)
+        return vocab
 
     def expect(self, sequence: torch.Tensor) -> None:
         """The target's greedy ``sequence [1, L]`` (prompt and continuation): each token's successor in it (the last
@@ -182,6 +189,11 @@ def _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises
                  draft_vocab) -> list[dict]:
     target.generation_config.eos_token_id = None                  # fixed-length runs
     params = sum(p.numel() for p in target.parameters())
+    continuations = ([target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                                      do_sample=False, specla=True) for ids in ids_list] if oracle else None)
+    vocab = None
+    if oracle and draft_vocab and draft_vocab < target.config.vocab_size:    # before the warm-up: the head's graphs
+        vocab = oracle.restrict(drafters["mtp"], continuations, draft_vocab)  # are captured again
     # warm-up: every method on every prompt before anything is timed (fla's prompt kernels autotune for each new
     # prompt length, and the first method timed would pay for all)
     run(target, ids_list, 4, do_sample=False)
@@ -193,24 +205,11 @@ def _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises
     ar, _ = run(target, ids_list, n_new, do_sample=False, specla=True)
     if profile_dir is not None:
         profile_call(target, ids_list[0], n_new, profile_dir / f"profile_ar_{shape}.txt")
-    base = dict(model_shape=shape, params=params, weight_floor_ms=1e3 * params * target.dtype.itemsize / HBM_BYTES_PER_S,
+    base = dict(model_shape=shape, params=params, draft_vocab=None if vocab is None else len(vocab), weight_floor_ms=1e3 * params * target.dtype.itemsize / HBM_BYTES_PER_S,
                 stock_ms_per_token=stock, graph_ar_ms_per_token=ar, ar_cuda_graphs=adapter_for(target).graphs is not None)
     records = [dict(base, method="stock", drafter=None, noise=None, tau=1.0, ms_per_token=stock),
                dict(base, method="specla_ar", drafter=None, noise=None, tau=1.0, ms_per_token=ar)]
     log(f"{shape}: stock {stock:.2f} ms/token, SpecLA AR {ar:.2f} ms/token")
-    continuations = ([target.generate(ids, max_new_tokens=n_new, do_sample=False, specla=True) for ids in ids_list]
-                     if oracle else None)
-    vocab = None
-    if oracle and draft_vocab and draft_vocab < target.config.vocab_size:
-        # the continuations' tokens (the oracle's drafts), then the lowest other ids: the cost of a draft vocabulary
-        # of that size, whichever tokens a corpus would pick
-        seen = torch.cat([c[0] for c in continuations]).unique().cpu()
-        others = torch.ones(target.config.vocab_size, dtype=torch.bool)
-        others[seen] = False
-        vocab = torch.cat([seen, others.nonzero()[:draft_vocab - len(seen), 0]]).sort().values
-        drafters["mtp"].restrict_vocabulary(vocab)
-        oracle.restrict(vocab)
-    base["draft_vocab"] = None if vocab is None else len(vocab)
     for name, drafter in drafters.items():
         for noise in (noises or [None]) if name == "mtp" else [None]:
             for method, kw in METHODS.items():

@@ -9,7 +9,9 @@ host time per replay; whole calls timed with and without them are reported besid
 
 Runs greedy SpecLA tree decoding (the defaults) on the trained target inflated to the 1.3B shape, bf16, on real
 prompts; ``--host-loop`` times decoding's host loop beside the device loop (the default for this setting) on the same
-prompts, ``--loops`` other generate() keywords.
+prompts, ``--loops`` other generate() keywords. ``--hybrid 0.8b`` (or ``9b``) runs a random-weight Qwen3.5 of that
+shape with its MTP head instead, drafting ``hybrid_bench``'s oracle drafts at ``--noise`` over a ``--draft-vocab``
+vocabulary.
 
     source .device/prelude.sh && export PYTHONPATH=$PWD/kernels:$PYTHONPATH && \\
         python benchmarks/step_timeline.py --eval-dir .device/eval --out $OUT/timeline
@@ -129,29 +131,57 @@ def main() -> None:
                     "key=value;key=value (empty: the defaults only)")
     ap.add_argument("--host-loop", action="store_true", help="also time the host loop (each step's acceptance "
                     "read back and walked on the host before the next proposal is queued)")
+    ap.add_argument("--hybrid", choices=["0.8b", "9b"], help="a random-weight Qwen3.5 of this shape and its MTP head "
+                    "with hybrid_bench's oracle drafts (default: the 1.3B GDN pair)")
+    ap.add_argument("--noise", type=float, default=3.5, help="--hybrid: the oracle's noise scale")
+    ap.add_argument("--draft-vocab", type=int, default=32768, help="--hybrid: the MTP head's draft vocabulary")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    models = load_models(device="cuda", dtype="bfloat16")
-    big, drafter = inflate_pair(models.target, models.drafter)
+    expect = lambda ids: None                                  # noqa: E731  (the oracle's successors, --hybrid)
+    if args.hybrid:
+        import hybrid_bench
+        from transformers import AutoTokenizer
+        big, drafters = hybrid_bench.random_pair(args.hybrid, torch.bfloat16, "cuda")
+        drafter, tok = drafters["mtp"], AutoTokenizer.from_pretrained(hybrid_bench.CHECKPOINTS / "specla-qwen35-tiny")
+        oracle = hybrid_bench.OracleDrafts(big.config.vocab_size, big.device)
+        oracle.scale.fill_(args.noise)
+        continuations = {}
+
+        def expect(ids):
+            key = tuple(ids[0].tolist())
+            if key not in continuations:
+                continuations[key] = big.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                  max_new_tokens=args.max_new_tokens, specla=True)
+            oracle.expect(continuations[key])
+    else:
+        models = load_models(device="cuda", dtype="bfloat16")
+        big, drafter = inflate_pair(models.target, models.drafter)
+        tok = models.tokenizer
     big.generation_config.eos_token_id = None                  # fixed-length runs
-    tok = models.tokenizer
     prompts = load_prompts(args.eval_dir, args.sets.split(","), args.per_set)
     variants = {"default": {}}
     for spec in filter(None, args.loops.split(",")):
         variants[spec] = {k: json.loads(v) for k, v in (kv.split("=") for kv in spec.split(";"))}
     if args.host_loop:
         variants["host loop"] = {"host_loop": True}
-    res = {"variants": {}}
+    res = {"model": args.hybrid or "gdn-1.3b", "noise": args.noise if args.hybrid else None,
+           "draft_vocab": args.draft_vocab if args.hybrid else None, "variants": {}}
 
     def generate(ids, kw):
         kw = dict(kw)
         # the host loop: plain greedy with every step's acceptance walked on the host (decoding's general loop)
         host_loop = kw.pop("host_loop", False)
+        expect(ids)
         with mock.patch.object(EagleDrafter, "catches_up_on_device", False) if host_loop else contextlib.nullcontext():
             big.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
                          do_sample=False, assistant_model=drafter, tree=True, confidence_threshold=0.0, **kw)
         return big.specla_stats
+    if args.hybrid and args.draft_vocab:
+        every = [tok(t, return_tensors="pt").input_ids[:, :256].cuda() for texts in prompts.values() for t in texts]
+        for ids in every:
+            expect(ids)
+        oracle.restrict(drafter, list(continuations.values()), args.draft_vocab)
     for texts in prompts.values():                            # compile, autotune, capture (every tree depth)
         for kw in variants.values():
             generate(tok(texts[0], return_tensors="pt").input_ids[:, :256].cuda(), kw)
