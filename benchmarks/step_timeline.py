@@ -165,6 +165,8 @@ def main() -> None:
         variants[spec] = {k: json.loads(v) for k, v in (kv.split("=") for kv in spec.split(";"))}
     if args.host_loop:
         variants["host loop"] = {"host_loop": True}
+    # a random target's oracle acceptance can be low: time speculative steps, not the autoregressive fallback
+    fallback = {"autoregressive_fallback": False} if args.hybrid else {}
     res = {"model": args.hybrid or "gdn-1.3b", "noise": args.noise if args.hybrid else None,
            "draft_vocab": args.draft_vocab if args.hybrid else None, "variants": {}}
 
@@ -175,7 +177,8 @@ def main() -> None:
         expect(ids)
         with mock.patch.object(EagleDrafter, "catches_up_on_device", False) if host_loop else contextlib.nullcontext():
             big.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                         do_sample=False, assistant_model=drafter, tree=True, confidence_threshold=0.0, **kw)
+                         do_sample=False, assistant_model=drafter, tree=True, confidence_threshold=0.0,
+                         **fallback, **kw)
         return big.specla_stats
     if args.hybrid and args.draft_vocab:
         every = [tok(t, return_tensors="pt").input_ids[:, :256].cuda() for texts in prompts.values() for t in texts]
