@@ -486,26 +486,34 @@ def test_greedy_identical_to_plain_on_cuda(family, monkeypatch):
 
 def test_fused_one_token_step_equals_the_general_path():
     """The fused one-token step (``_decode_step``: GEMVs with the norms, conv, gated norm, residual adds and SwiGLU
-    fused around them) gives the general path's logits and cache on Qwen3.5 dense, and follows a norm weight updated
-    in place between generations; MoE blocks and Qwen3-Next's interleaved projections take the general path."""
+    fused around them) and the fused attention of several tokens (``_attention``: one projection GEMM, the
+    norm-rotary-append kernel, the gate) give the module path's logits and cache on Qwen3.5 dense, consuming and
+    verifying a tree, and follow norm weights updated in place between generations; MoE blocks and Qwen3-Next's
+    interleaved projections take the general one-token path."""
     from specla_hf.models.qwen3_5 import supports_fused_step
     assert [supports_fused_step(tiny_hybrid(f)) for f in FAMILIES] == [f == "qwen3_5" for f in FAMILIES]
     model = tiny_hybrid("qwen3_5", seed=4)
     ids = torch.randint(0, VOCAB, (1, 14), generator=torch.Generator().manual_seed(61))
     fused, general = HybridRunner(model), HybridRunner(model)
-    general.fused_step = False
+    general.fused_step = general.fused_attention = False
+    assert all(HybridRunner(tiny_hybrid(f)).fused_attention for f in FAMILIES)
+    tree = torch.tensor([[3, 7, 1, 9, 4]]), torch.tensor([[-1, 0, 0, 1, 3]])
 
     def decode(runner):
         cache = runner.new_cache(1, max_length=32)
         logits = [runner.forward(ids[:, :6], cache, logits_positions=slice(-1, None)).logits]
         logits += [runner.forward(ids[:, i:i + 1], cache).logits for i in range(6, 14)]
+        logits.append(runner.forward(tree[0], cache, parents=tree[1]).logits)
+        cache.discard()
         return torch.cat(logits, 1), cache
     outputs = []
     for update in (False, True):
-        if update:                               # in place, as an optimizer step: the fused step must see it
+        if update:                               # in place, as an optimizer step: the fused calls must see it
             with torch.no_grad():
                 for block in model.model.layers:
                     block.post_attention_layernorm.weight.add_(0.3)
+                    if hasattr(block, "self_attn"):
+                        block.self_attn.q_norm.weight.add_(0.2)
                 model.model.norm.weight.mul_(-2.0)
         (want, want_cache), (got, got_cache) = decode(general), decode(fused)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
