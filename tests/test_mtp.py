@@ -224,11 +224,11 @@ def test_greedy_identical_to_plain(trained, tree, threshold):
     assert 0 < accepted < drafted and longest >= 3
 
 
-def test_draft_vocabulary_drafts_its_tokens_only(trained):
+def test_draft_vocabulary_drafts_its_tokens_only(trained, tmp_path):
     """A restricted draft vocabulary: decoding stays plain decoding's; the whole vocabulary as the restriction drafts
     and accepts exactly what the unrestricted head does; the continuation's most frequent tokens still get drafts
     accepted, and a vocabulary without any of the continuation's tokens none (a draft index read as a token id would
-    draft ids 0.. and hit some); bad ids are a clear error."""
+    draft ids 0.. and hit some); bad ids are a clear error; the vocabulary is saved with the head."""
     out, _, target, _ = trained
     head = MTPDrafter.from_pretrained(out)
     gen = torch.Generator().manual_seed(29)
@@ -257,6 +257,10 @@ def test_draft_vocabulary_drafts_its_tokens_only(trained):
         assert sum(run(unseen, tree)[0]) == 0
     with pytest.raises(ValueError, match=r"token ids in \[0, 256\); got 2 ids from 3 to 256"):
         head.restrict_vocabulary([3, 256])
+    head.restrict_vocabulary(frequent).save_pretrained(tmp_path)             # saved with the head, read back
+    assert torch.equal(MTPDrafter.from_pretrained(tmp_path).draft_vocab, frequent)
+    head.restrict_vocabulary(None).save_pretrained(tmp_path)
+    assert MTPDrafter.from_pretrained(tmp_path).draft_vocab is None
 
 
 @pytest.mark.parametrize("model", ["qwen3_5_moe", "qwen3_next", "qwen3_5_vl"])

@@ -151,10 +151,10 @@ class MTPDrafter(nn.Module):
                         local_files_only: bool = False) -> MTPDrafter:
         """The MTP head of the checkpoint at ``source``: a local folder, or a Hub repository id (fetched, or read from
         the Hub cache offline: ``local_files_only=True`` or ``HF_HUB_OFFLINE=1``). Reads the config and the
-        ``mtp.*`` tensors only (only the shards holding them); the target's embeddings and LM head are used when
-        ``generate`` binds the head to its target. ``dtype`` / ``device``: default as stored / CPU; they must match
-        the target's. A checkpoint without ``mtp.*`` tensors, or with a head of another structure, is a one-line
-        ``ValueError``."""
+        ``mtp.*`` tensors only (only the shards holding them), and a draft vocabulary saved with the head; the
+        target's embeddings and LM head are used when ``generate`` binds the head to its target. ``dtype`` /
+        ``device``: default as stored / CPU; they must match the target's. A checkpoint without ``mtp.*`` tensors, or
+        with a head of another structure, is a one-line ``ValueError``."""
         config = mtp_checkpoint.read_config(source, revision, local_files_only)
         check_config(config)
         state = mtp_checkpoint.module_state(mtp_checkpoint.read_tensors(source, revision, local_files_only))
@@ -169,12 +169,13 @@ class MTPDrafter(nn.Module):
                              f"{wrong[:4]}, MtpLayer names)")
         mtp.layer.load_state_dict({k: v.to(device=device, dtype=dtype if v.is_floating_point() else None)
                                    for k, v in state.items()}, assign=True)
-        return mtp.eval()
+        return mtp.restrict_vocabulary(mtp_checkpoint.read_draft_vocab(source, revision, local_files_only)).eval()
 
     def save_pretrained(self, folder: str | Path) -> None:
-        """The config and the ``mtp.*`` tensors in the released checkpoints' layout (``from_pretrained`` reads them
-        back; ``mtp_checkpoint.write``)."""
+        """The config and the ``mtp.*`` tensors in the released checkpoints' layout, and the draft vocabulary if one
+        is set (``draft_vocab.safetensors``): ``from_pretrained`` reads them back (``mtp_checkpoint``)."""
         mtp_checkpoint.write(folder, self.config, self.layer.state_dict())
+        mtp_checkpoint.write_draft_vocab(folder, self.draft_vocab)
 
     # ---- fitting a target ----
     def check_target(self, target) -> None:

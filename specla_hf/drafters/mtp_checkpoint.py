@@ -33,6 +33,7 @@ from transformers import AutoConfig, PretrainedConfig
 PREFIX = "mtp."
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+DRAFT_VOCAB = "draft_vocab.safetensors"      # a head's draft vocabulary (``MTPDrafter.restrict_vocabulary``), if any
 # checkpoint name (after ``mtp.``) -> ``MtpLayer`` name, by prefix
 MODULE_NAMES = (("fc.", "eh_proj."), ("pre_fc_norm_embedding.", "enorm."), ("pre_fc_norm_hidden.", "hnorm."),
                 ("layers.0.", "mtp_block."), ("norm.", "post_norm."))
@@ -134,3 +135,22 @@ def write(folder: str | Path, config: PretrainedConfig, state: dict[str, torch.T
                       if name.startswith(module))
         saved[PREFIX + stored] = tensor.detach().contiguous().cpu()
     save_file(saved, str(folder / SINGLE), metadata={"format": "pt"})
+
+
+def write_draft_vocab(folder: str | Path, token_ids: torch.Tensor | None) -> None:
+    """``token_ids`` as the folder's draft vocabulary (``None``: none, an earlier one removed)."""
+    path = Path(folder) / DRAFT_VOCAB
+    if token_ids is None:
+        path.unlink(missing_ok=True)
+    else:
+        save_file({"token_ids": token_ids.detach().cpu().contiguous()}, str(path), metadata={"format": "pt"})
+
+
+def read_draft_vocab(source: str | Path, revision: str | None = None,
+                     local_files_only: bool = False) -> torch.Tensor | None:
+    """The draft vocabulary saved with a head at ``source``, or ``None``."""
+    path = _file(source, DRAFT_VOCAB, revision, local_files_only)
+    if path is None:
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("token_ids")
