@@ -20,6 +20,7 @@ autoregressive decoding off (what speculation costs), except the ``tree_default`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -58,7 +59,8 @@ class OracleDrafts:
     greedy continuation of the prompt (``expect``, before each prompt), so a draft is right where that bigram
     successor is the target's next token and stays on top of the noise; the noise scale sets how often. BOOST keeps
     the oracle token's confidence near a real drafter's (~0.9 against 248K tokens at no noise). The random target
-    must decide its argmax clearly for this to work in bf16 (``random_pair``)."""
+    must decide its argmax clearly for this to work in bf16 (``random_pair``). A context: the MTP runner drafts the
+    oracle's drafts inside it only (a later shape's head, of another vocabulary, must not read these)."""
 
     BOOST = 15.0
 
@@ -66,7 +68,10 @@ class OracleDrafts:
         self.scale = torch.zeros((), device=device)      # tensors the captured graphs read: changed in place
         self.successor = torch.zeros(vocab_size, dtype=torch.long, device=device)
         self.draft_index = torch.arange(vocab_size, device=device)      # a token's row among the head's logits
-        self.compute = compute = _MTPRunner.compute
+        self.compute = _MTPRunner.compute
+
+    def __enter__(self) -> OracleDrafts:
+        compute = self.compute
 
         def oracle(runner, inputs, cache, parents, logits_positions, hidden_layers):
             out = compute(runner, inputs, cache, parents, logits_positions, hidden_layers)
@@ -76,9 +81,9 @@ class OracleDrafts:
             out.logits.copy_(torch.log_softmax(hot + torch.randn_like(hot) * self.scale, -1))
             return out
         _MTPRunner.compute = oracle
+        return self
 
-    def remove(self) -> None:
-        """The MTP head's own drafts again (for the next shape: a head of another vocabulary must not read these)."""
+    def __exit__(self, *exc) -> None:
         _MTPRunner.compute = self.compute
 
     def restrict(self, head, continuations: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -175,65 +180,59 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                 noises: list[float] | None = None, profile_dir: Path | None = None,
                 draft_vocab: int | None = None) -> list[dict]:
     """Stock, SpecLA AR and every drafter x method on ``ids_list``; with ``noises`` (random shapes), the MTP head's
-    drafts come from ``OracleDrafts`` at each noise scale, over a draft vocabulary of ``draft_vocab`` tokens if given."""
-    oracle = OracleDrafts(target.config.vocab_size, target.device) if noises else None
-    try:
-        return _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises, profile_dir, oracle,
-                            draft_vocab)
-    finally:
-        if oracle is not None:
-            oracle.remove()
-
-
-def _bench_shape(shape, target, drafters, ids_list, n_new, stock_prompts, noises, profile_dir, oracle,
-                 draft_vocab) -> list[dict]:
-    target.generation_config.eos_token_id = None                  # fixed-length runs
-    params = sum(p.numel() for p in target.parameters())
-    continuations = ([target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
-                                      do_sample=False, specla=True) for ids in ids_list] if oracle else None)
-    vocab = None
-    if oracle and draft_vocab and draft_vocab < target.config.vocab_size:    # before the warm-up: the head's graphs
-        vocab = oracle.restrict(drafters["mtp"], continuations, draft_vocab)  # are captured again
-    # warm-up: every method on every prompt before anything is timed (fla's prompt kernels autotune for each new
-    # prompt length, and the first method timed would pay for all)
-    run(target, ids_list, 4, do_sample=False)
-    run(target, ids_list, 4, do_sample=False, specla=True)
-    for drafter in drafters.values():
-        for kw in METHODS.values():
-            run(target, ids_list, 4, do_sample=False, assistant_model=drafter, **kw)
-    stock, _ = run(target, ids_list[:stock_prompts], n_new, do_sample=False)
-    ar, _ = run(target, ids_list, n_new, do_sample=False, specla=True)
-    if profile_dir is not None:
-        profile_call(target, ids_list[0], n_new, profile_dir / f"profile_ar_{shape}.txt")
-    base = dict(model_shape=shape, params=params, draft_vocab=None if vocab is None else len(vocab), weight_floor_ms=1e3 * params * target.dtype.itemsize / HBM_BYTES_PER_S,
-                stock_ms_per_token=stock, graph_ar_ms_per_token=ar, ar_cuda_graphs=adapter_for(target).graphs is not None)
-    records = [dict(base, method="stock", drafter=None, noise=None, tau=1.0, ms_per_token=stock),
-               dict(base, method="specla_ar", drafter=None, noise=None, tau=1.0, ms_per_token=ar)]
-    log(f"{shape}: stock {stock:.2f} ms/token, SpecLA AR {ar:.2f} ms/token")
-    for name, drafter in drafters.items():
-        for noise in (noises or [None]) if name == "mtp" else [None]:
-            for method, kw in METHODS.items():
-                if noise is None:
-                    ms, stats = run(target, ids_list, n_new, do_sample=False, assistant_model=drafter, **kw)
-                else:
-                    oracle.scale.fill_(noise)
-                    # untimed first: this acceptance grows trees (tree buckets, graphs) the warm-up did not reach
-                    oracle.expect(continuations[0])
-                    run(target, ids_list[:1], n_new, do_sample=False, assistant_model=drafter, **kw)
-                    ms, stats = 0.0, []
-                    for ids, sequence in zip(ids_list, continuations):
-                        oracle.expect(sequence)
-                        one, one_stats = run(target, [ids], n_new, do_sample=False, assistant_model=drafter, **kw)
-                        ms, stats = ms + one / len(ids_list), stats + one_stats
-                records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
-                                    ms_per_token=ms, mode=sorted({s.mode for s in stats})))
-                if profile_dir is not None and method == "tree" and noises and noise == noises[-1]:
-                    profile_call(target, ids_list[-1], n_new, profile_dir / f"profile_tree_{shape}.txt",
-                                 assistant_model=drafter, **kw)
-                log(f"{shape}: {name} {method} noise {noise}: tau {records[-1]['tau']:.2f}, {ms:.2f} ms/token")
-    for r in records:
-        r["speedup_vs_ar"], r["speedup_vs_stock"] = ar / r["ms_per_token"], stock / r["ms_per_token"]
-    return records
+    drafts come from ``OracleDrafts`` at each noise scale, over a draft vocabulary of ``draft_vocab`` tokens if
+    given."""
+    with OracleDrafts(target.config.vocab_size, target.device) if noises else contextlib.nullcontext() as oracle:
+        target.generation_config.eos_token_id = None                  # fixed-length runs
+        params = sum(p.numel() for p in target.parameters())
+        continuations = ([target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                                          do_sample=False, specla=True) for ids in ids_list] if oracle else None)
+        vocab = None
+        if oracle and draft_vocab and draft_vocab < target.config.vocab_size:
+            # before the warm-up: the head's graphs are captured again
+            vocab = oracle.restrict(drafters["mtp"], continuations, draft_vocab)
+        # warm-up: every method on every prompt before anything is timed (fla's prompt kernels autotune for each new
+        # prompt length, and the first method timed would pay for all)
+        run(target, ids_list, 4, do_sample=False)
+        run(target, ids_list, 4, do_sample=False, specla=True)
+        for drafter in drafters.values():
+            for kw in METHODS.values():
+                run(target, ids_list, 4, do_sample=False, assistant_model=drafter, **kw)
+        stock, _ = run(target, ids_list[:stock_prompts], n_new, do_sample=False)
+        ar, _ = run(target, ids_list, n_new, do_sample=False, specla=True)
+        if profile_dir is not None:
+            profile_call(target, ids_list[0], n_new, profile_dir / f"profile_ar_{shape}.txt")
+        base = dict(model_shape=shape, params=params, draft_vocab=None if vocab is None else len(vocab),
+                    weight_floor_ms=1e3 * params * target.dtype.itemsize / HBM_BYTES_PER_S,
+                    stock_ms_per_token=stock, graph_ar_ms_per_token=ar,
+                    ar_cuda_graphs=adapter_for(target).graphs is not None)
+        records = [dict(base, method="stock", drafter=None, noise=None, tau=1.0, ms_per_token=stock),
+                   dict(base, method="specla_ar", drafter=None, noise=None, tau=1.0, ms_per_token=ar)]
+        log(f"{shape}: stock {stock:.2f} ms/token, SpecLA AR {ar:.2f} ms/token")
+        for name, drafter in drafters.items():
+            for noise in (noises or [None]) if name == "mtp" else [None]:
+                for method, kw in METHODS.items():
+                    if noise is None:
+                        ms, stats = run(target, ids_list, n_new, do_sample=False, assistant_model=drafter, **kw)
+                    else:
+                        oracle.scale.fill_(noise)
+                        # untimed first: this acceptance grows trees (tree buckets, graphs) the warm-up did not reach
+                        oracle.expect(continuations[0])
+                        run(target, ids_list[:1], n_new, do_sample=False, assistant_model=drafter, **kw)
+                        ms, stats = 0.0, []
+                        for ids, sequence in zip(ids_list, continuations):
+                            oracle.expect(sequence)
+                            one, one_stats = run(target, [ids], n_new, do_sample=False, assistant_model=drafter, **kw)
+                            ms, stats = ms + one / len(ids_list), stats + one_stats
+                    records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
+                                        ms_per_token=ms, mode=sorted({s.mode for s in stats})))
+                    if profile_dir is not None and method == "tree" and noises and noise == noises[-1]:
+                        profile_call(target, ids_list[-1], n_new, profile_dir / f"profile_tree_{shape}.txt",
+                                     assistant_model=drafter, **kw)
+                    log(f"{shape}: {name} {method} noise {noise}: tau {records[-1]['tau']:.2f}, {ms:.2f} ms/token")
+        for r in records:
+            r["speedup_vs_ar"], r["speedup_vs_stock"] = ar / r["ms_per_token"], stock / r["ms_per_token"]
+        return records
 
 
 def table(records: list[dict]) -> str:

@@ -139,12 +139,13 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     expect = lambda ids: None                                  # noqa: E731  (the oracle's successors, --hybrid)
+    oracle_context = contextlib.ExitStack()
     if args.hybrid:
         import hybrid_bench
         from transformers import AutoTokenizer
         big, drafters = hybrid_bench.random_pair(args.hybrid, torch.bfloat16, "cuda")
         drafter, tok = drafters["mtp"], AutoTokenizer.from_pretrained(hybrid_bench.CHECKPOINTS / "specla-qwen35-tiny")
-        oracle = hybrid_bench.OracleDrafts(big.config.vocab_size, big.device)
+        oracle = oracle_context.enter_context(hybrid_bench.OracleDrafts(big.config.vocab_size, big.device))
         oracle.scale.fill_(args.noise)
         continuations = {}
 
@@ -213,6 +214,7 @@ def main() -> None:
             res["variants"].setdefault(name, {})[set_name] = result
             print(set_name, name, json.dumps(result), flush=True)
             (args.out / "step_timeline.json").write_text(json.dumps(res, indent=1))
+    oracle_context.close()
 
 
 if __name__ == "__main__":

@@ -709,5 +709,6 @@ def test_tree_attention_backends_choose_kernels_not_tokens():
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
     assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     with tuning.using(tree_attention_backends=("fastest",)):
-        with pytest.raises(ValueError, match=r"unknown attention backends \['fastest'\]; choose from .*'math'.*'specla'"):
+        with pytest.raises(ValueError,
+                           match=r"unknown attention backends \['fastest'\]; choose from .*'math'.*'specla'"):
             model.generate(ids, max_new_tokens=4, do_sample=False, assistant_model=drafter)

@@ -7,8 +7,10 @@ tokens up to itself or, verifying, its own ancestors among the pending nodes (it
 rest; a token sits at position ``committed + offset`` (its index among the consumed tokens, or its depth in the
 tree). Mask and positions are computed on the device from the layer's committed length, so the calls are
 capturable in CUDA graphs. Inside ``attention_kernels()`` an SDPA model's attention runs ``ops.masked_attention``'s
-Triton kernel, which skips the hidden slots of the buffer. ``HybridRunner``'s full-attention layers (``specla_hf.models.qwen3_5``) and the MTP
-drafter's layer (``specla_hf.drafters.mtp``) both attend this way.
+Triton kernel, which skips the hidden slots of the buffer. ``HybridRunner``'s full-attention layers
+(``specla_hf.models.qwen3_5``) and the MTP drafter's layer (``specla_hf.drafters.mtp``) attend under these masks,
+Qwen3.5's gated attention of batch 1 computed from the module's weights (``HybridRunner._attention``), other modules
+run as they are over a ``KVView``.
 """
 from __future__ import annotations
 
