@@ -168,10 +168,12 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
 
 
 def masked_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether ``masked_attention``'s kernel takes these inputs: one mask for every head, unit-stride head dims of at
-    most 256, whole key/value groups, at most 1024 query rows per key/value head."""
+    """Whether ``masked_attention``'s kernel takes these inputs: an additive mask of the queries' dtype, one row per
+    query and one column per slot, for every head; unit-stride head dims of at most 256, whole key/value groups, at
+    most 1024 query rows per key/value head."""
     B, H, T, D = q.shape
-    return (mask.dim() == 4 and mask.shape[0] in (1, B) and mask.shape[1] == 1 and k.shape == v.shape
+    return (mask.dim() == 4 and mask.shape[0] in (1, B) and mask.shape[1] == 1 and mask.shape[2] == T
+            and mask.shape[3] == k.shape[2] and mask.dtype == q.dtype and k.shape == v.shape
             and k.shape[1] and H % k.shape[1] == 0 and D <= 256 and (H // k.shape[1]) * T <= 1024
             and q.stride(3) == k.stride(3) == v.stride(3) == 1 and q.dtype == k.dtype == v.dtype)
 

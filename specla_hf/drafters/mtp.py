@@ -50,8 +50,7 @@ from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.qwen3_5 import (MASKED_ATTENTION, ZERO_CENTRED_NORMS, HybridRunner, experts_blocker,
-                                      fused_attention, text_decoder)
+from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, experts_blocker, text_decoder
 from specla_hf.models.tree_attention import attention_inputs
 
 # text-config model_type -> (modeling module, decoder-layer class, RMSNorm class) the MTP layer is built from
@@ -213,32 +212,27 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
     """
 
     def __init__(self, mtp: MTPDrafter, target, cuda_graphs: bool | None = None):
-        layer = mtp.layer
-        self.one_kernel_norms = all(type(n).__name__ in ZERO_CENTRED_NORMS for n in self._hidden_norms(layer))
-        self.fused_attention = fused_attention(layer.mtp_block.self_attn)
-        self._fuse_block(layer.mtp_block)                 # before any graph reads the parameters
         self._bind_target(mtp, target, cuda_graphs)
+        self._choose_fusions([mtp.layer.mtp_block])
         self.rotary_emb = text_decoder(target).rotary_emb
         self.last_cache: SpecLACache | None = None
+        if mtp.draft_vocab is not None and self.lm_head.bias is not None:
+            raise NotImplementedError("a draft vocabulary for an LM head with a bias")
         # the draft vocabulary's LM-head rows, copied once (a fixed tensor the graphs read)
         self.draft_vocab = None if mtp.draft_vocab is None else mtp.draft_vocab.to(self.device)
         self.draft_head = None if mtp.draft_vocab is None else self.lm_head.weight.detach()[self.draft_vocab]
-        if self.draft_head is not None and self.lm_head.bias is not None:
-            raise NotImplementedError("a draft vocabulary for an LM head with a bias")
 
     def graph_blocker(self) -> str | None:
         return experts_blocker([self.model.layer.mtp_block.mlp])
 
-    @staticmethod
-    def _hidden_norms(layer: MtpLayer) -> list:
+    def _hidden_norms(self) -> list:
+        layer = self.model.layer
         block = layer.mtp_block
         return [layer.enorm, layer.hnorm, block.input_layernorm, block.post_attention_layernorm] + (
             [layer.post_norm] if layer.use_post_norm else [])
 
-    def _scaled_norms(self) -> list:
-        attn = self.model.layer.mtp_block.self_attn
-        return ((self._hidden_norms(self.model.layer) if self.one_kernel_norms else [])
-                + ([attn.q_norm, attn.k_norm] if self.fused_attention else []))
+    def _attention_modules(self) -> list:
+        return [self.model.layer.mtp_block.self_attn]
 
     def _make_cache(self, batch_size: int, capacity: int, fixed: bool) -> SpecLACache:
         attn = self.model.layer.mtp_block.self_attn

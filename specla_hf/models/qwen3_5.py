@@ -55,6 +55,11 @@ GRAPHED_CAPACITY = 1024
 ZERO_CENTRED_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
 
 
+def zero_centred(norm) -> bool:
+    """Whether ``norm`` is a zero-centred RMSNorm (``x * (1 + w)``, computed in fp32)."""
+    return type(norm).__name__ in ZERO_CENTRED_NORMS
+
+
 def text_decoder(model):
     """The decoder stack of ``model``: ``model.model``, or the language model of a vision-language model."""
     return getattr(model.model, "language_model", model.model)
@@ -116,7 +121,7 @@ def experts_blocker(mlps) -> str | None:
 def fused_attention(m) -> bool:
     """Whether ``HybridRunner._attention`` computes this full-attention module's calls itself (batch 1): gated queries
     (q_proj gives each head its query and output gate), zero-centred q/k norms of one eps, bias-free projections."""
-    return (type(m.q_norm).__name__ in ZERO_CENTRED_NORMS and m.q_norm.eps == m.k_norm.eps
+    return (zero_centred(m.q_norm) and m.q_norm.eps == m.k_norm.eps
             and m.q_proj.out_features == 2 * m.config.num_attention_heads * m.head_dim
             and all(lin.bias is None for lin in (m.q_proj, m.k_proj, m.v_proj, m.o_proj)))
 
@@ -128,7 +133,7 @@ def supports_fused_step(model) -> bool:
     take the general path."""
     decoder = text_decoder(model)
     cfg = decoder.config
-    if any(type(n).__name__ not in ZERO_CENTRED_NORMS for n in hidden_norms(decoder)) or model.lm_head.bias is not None:
+    if not all(map(zero_centred, hidden_norms(decoder))) or model.lm_head.bias is not None:
         return False
     widths = [cfg.hidden_size]
     for block, kind in zip(decoder.layers, cfg.layer_types):
@@ -176,32 +181,40 @@ class HybridRunner(GraphedAdapter):
         self.blocks = self.decoder.layers
         self._init_graphs(cuda_graphs, DRAFT_SEQ_TOKENS if role == "drafter" else MAX_SEQ_TOKENS, bucket_trees)
         self.fused_step = supports_fused_step(model)   # tests turn it off to compare with the general path
-        self.one_kernel_norms = all(type(n).__name__ in ZERO_CENTRED_NORMS for n in hidden_norms(self.decoder))
-        self.fused_attention = all(fused_attention(b.self_attn) for b, kind in zip(self.blocks, self.config.layer_types)
-                                   if kind == "full_attention")
         for block, kind in zip(self.blocks, self.config.layer_types):   # before any graph reads the parameters
             if kind == "linear_attention":                                # (``fused_rows``)
                 fuse_projections(block.linear_attn)
-            self._fuse_block(block)
+        self._choose_fusions(self.blocks)
         # the last cache ``new_cache`` made: the loop's, from which ``generate`` builds ``past_key_values``
         self.last_cache: SpecLACache | None = None
 
     def graph_blocker(self) -> str | None:
         return experts_blocker(block.mlp for block in self.blocks)
 
-    def _fuse_block(self, block) -> None:
-        """Fuse a block's projections that the runner's calls multiply as one (``fused_rows``): before any graph
-        reads the parameters."""
-        if self.fused_attention and hasattr(block, "self_attn"):
-            fuse_qkv(block.self_attn)
-        if dense_mlp(block.mlp):
-            fuse_gate_up(block.mlp)
+    def _hidden_norms(self) -> list:
+        """The hidden-size RMSNorms the runner's calls apply."""
+        return hidden_norms(self.decoder)
+
+    def _attention_modules(self) -> list:
+        """The full-attention modules the runner's calls run."""
+        return [b.self_attn for b, kind in zip(self.blocks, self.config.layer_types) if kind == "full_attention"]
+
+    def _choose_fusions(self, blocks) -> None:
+        """Which fused paths the modules allow (one kernel per zero-centred norm, ``_attention``), and the
+        projections of ``blocks`` those paths multiply as one fused (``fused_rows``): before any graph reads the
+        parameters."""
+        self.one_kernel_norms = all(map(zero_centred, self._hidden_norms()))
+        self.fused_attention = all(map(fused_attention, self._attention_modules()))
+        for block in blocks:
+            if self.fused_attention and hasattr(block, "self_attn"):
+                fuse_qkv(block.self_attn)
+            if dense_mlp(block.mlp):
+                fuse_gate_up(block.mlp)
 
     def _scaled_norms(self) -> list:
         """The zero-centred norms whose ``unit_offset_weight`` the runner's calls read."""
-        heads = [n for b in self.blocks if self.fused_attention and hasattr(b, "self_attn")
-                 for n in (b.self_attn.q_norm, b.self_attn.k_norm)]
-        return (hidden_norms(self.decoder) if self.one_kernel_norms else []) + heads
+        heads = [n for m in self._attention_modules() if self.fused_attention for n in (m.q_norm, m.k_norm)]
+        return (self._hidden_norms() if self.one_kernel_norms else []) + heads
 
     @classmethod
     def for_model(cls, model, role: str = "target") -> "HybridRunner":

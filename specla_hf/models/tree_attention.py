@@ -28,6 +28,7 @@ from specla_kernels.reference import tree_depth
 
 
 KERNEL = "specla"        # ``tree_attention_backends``' name for ``ops.masked_attention``'s kernel
+SDPA_BACKENDS = {m.lower(): b for m, b in SDPBackend.__members__.items() if m != "ERROR"}
 
 
 def attention_kernels() -> contextlib.AbstractContextManager:
@@ -36,12 +37,11 @@ def attention_kernels() -> contextlib.AbstractContextManager:
     kernel for an SDPA model's calls it takes (``specla_masked_attention``), SDPA backend names (lower case
     ``torch.nn.attention.SDPBackend`` members) restrict the other calls; none named: torch's choice."""
     names = tuning.active().tree_attention_backends
-    sdpa = {m.lower(): b for m, b in SDPBackend.__members__.items() if m != "ERROR"}
-    unknown = [n for n in names if n not in sdpa and n != KERNEL]
+    unknown = [n for n in names if n not in SDPA_BACKENDS and n != KERNEL]
     if unknown:
-        raise ValueError(f"unknown attention backends {unknown}; choose from {sorted(sdpa) + [KERNEL]}")
+        raise ValueError(f"unknown attention backends {unknown}; choose from {sorted(SDPA_BACKENDS) + [KERNEL]}")
     stack = contextlib.ExitStack()
-    backends = [sdpa[n] for n in names if n != KERNEL]
+    backends = [SDPA_BACKENDS[n] for n in names if n != KERNEL]
     if backends:
         stack.enter_context(sdpa_kernel(backends))
     if KERNEL in names:
@@ -70,7 +70,6 @@ def specla_masked_attention(module, query, key, value, attention_mask, dropout: 
     (Triton on the tensors' device, an explicit additive mask, no dropout, no other options), stock SDPA otherwise."""
     if (ops.use_triton(query) and attention_mask is not None and not dropout
             and all(v is None or v is False for v in kwargs.values())
-            and attention_mask.dtype == query.dtype and attention_mask.shape[-1] == key.shape[2]
             and ops.masked_attention_applies(query, key, value, attention_mask)):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return ops.masked_attention(query, key, value, attention_mask, scale), None
