@@ -49,7 +49,9 @@ specla = {}
 for d_name, drafter in (("twin", twin), ("aligned", aligned)):
     for mode, kw in (("chain", dict(tree=False)), ("tree", dict(tree=True, tree_budget=9)),
                      ("pruned", dict(tree=True, tree_budget=9, confidence_threshold=0.05))):
-        spec = target.generate(ids, max_new_tokens=14, do_sample=False, assistant_model=drafter, **kw)
+        # the configured shapes (the shape policy would draft shallow under the interpreter's costs): deep paths
+        spec = target.generate(ids, max_new_tokens=14, do_sample=False, assistant_model=drafter,
+                               adaptive_drafting=False, **kw)
         specla[f"{d_name}_{mode}"] = {"equal": bool(torch.equal(spec, plain)), "tau": target.specla_stats.tau}
 out["specla_triton_kernels"] = specla
 # our autoregressive baseline's one-token step: fused GEMV kernels and fla's recurrence updating the state in place

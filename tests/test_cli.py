@@ -81,10 +81,12 @@ def test_generate_streams_the_greedy_text_then_a_stats_line(ckpts):
 
 def test_sampling_options_reach_generate_and_a_seed_repeats_a_run(ckpts):
     """--top-k 1 sampling is greedy decoding; a seeded sampled run repeats, and differs from greedy (the random
-    target's distributions are flat). --no-fallback: when the fallback switches depends on timing, and speculative
-    and autoregressive steps draw random numbers differently."""
+    target's distributions are flat). --no-fallback and --fixed-shape: when the fallback switches and which shape a
+    step drafts depend on timing, and speculative and autoregressive steps, or trees of other shapes, draw random
+    numbers differently."""
     common = ["generate", "--target", str(ckpts["target"]), "--drafter", str(ckpts["drafter"]),
-              "--max-new-tokens", "20", "--confidence-threshold", "0", "--do-sample", "--no-fallback"]
+              "--max-new-tokens", "20", "--confidence-threshold", "0", "--do-sample", "--no-fallback",
+              "--fixed-shape"]
     top1, seeded, again = specla_all((common + ["--top-k", "1", "Once"], None, None),
                                      (common + ["--seed", "7", "--top-p", "0.95", "Once"], None, None),
                                      (common + ["--seed", "7", "--top-p", "0.95", "Once"], None, None))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_gdn
-from specla_hf.drafters.base import DraftBuffers, DraftTree
+from specla_hf.drafters.base import DraftBuffers, DraftTree, Launched
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.small_model import GDNDrafter
 from test_cuda_graphs import emulate_graphs
@@ -80,7 +80,7 @@ def test_tree_selection_follows_the_rule(topk, depth, budget):
             assert len(want) == 1 + min(budget, topk + (depths - 1) * topk * topk)
             log_threshold = -1.0 - 0.5 * (trial % 3)            # the host selection, some candidates pruned
             want = rule_select(b, depths, budget, log_threshold)
-            drafter._launched = (b.tokens[:1], depths, log_threshold, None)
+            drafter._launched = Launched(b.tokens[:1], depths, budget, log_threshold, None)
             got = drafter.collect()
             assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents), (trial, depths)
             assert torch.allclose(got.log_probs, want.log_probs.double())

@@ -303,7 +303,7 @@ def test_early_stop_read_one_depth_late_gives_the_tree_of_drafting_every_depth(t
             eagle.add_features(tuple(torch.randn(1, 1, target.config.hidden_size, generator=torch.Generator()
                                                  .manual_seed(n)) for _ in eagle.feature_layers))
             trees.append(eagle.propose(ids[:, :n]))
-            depths.append(eagle._launched[1])
+            depths.append(eagle.launched_depths)
         return trees, depths
 
     early, early_depths = draft_all()

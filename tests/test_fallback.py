@@ -9,7 +9,7 @@ from transformers.generation.logits_process import LogitsProcessorList, Temperat
 
 from conftest import tiny_gdn
 from specla_hf.generation import draft_options, make_drafter
-from specla_hf.loop.policy import MAX_BACKOFF, FallbackMemory, FallbackPolicy, clear_fallback_memory, memory_key
+from specla_hf.loop.policy import MAX_BACKOFF, FallbackMemory, FallbackPolicy, clear_speculation_memory, memory_key
 from specla_hf.models import adapter_for
 from test_cuda_graphs import emulate_graphs
 
@@ -149,7 +149,7 @@ def test_a_call_after_a_fallback_starts_autoregressive_and_says_why(bad_drafter)
 
 def test_the_memory_is_kept_per_drafter_draft_shape_and_sampling_rule(bad_drafter):
     """A fallback with one drafter and settings is not inherited by another drafter, another draft shape or other
-    sampling settings (each pays its own warm-up), and ``clear_fallback_memory`` forgets it."""
+    sampling settings (each pays its own warm-up), and ``clear_speculation_memory`` forgets it."""
     model = tiny_gdn(seed=75)
     target = adapter_for(model)
     target.ar_step_seconds = 1e-9
@@ -162,7 +162,7 @@ def test_the_memory_is_kept_per_drafter_draft_shape_and_sampling_rule(bad_drafte
                        confidence_threshold=0.0, autoregressive_fallback=True)
         assert model.specla_stats.speculative_steps == 4, temperature
     assert modes(model, bad_drafter, ids, 1) == ["ar"]
-    clear_fallback_memory(target)
+    clear_speculation_memory(target)
     assert modes(model, bad_drafter, ids, 1) == ["fell back after 4"]
 
 

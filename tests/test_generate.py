@@ -37,7 +37,9 @@ def test_greedy_identical_to_plain(target, bad_drafter, tree, draft):
                                confidence_threshold=0.0)
         assert spec.shape == plain.shape, (trial, n_prompt, n_new)
         assert torch.equal(spec, plain), (trial, n_prompt, n_new)
-    if draft == "perfect":   # a perfect drafter is accepted in full
+    if draft == "perfect":   # a perfect drafter is accepted in full (in the configured shape, not the policy's)
+        target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, tree=tree,
+                        confidence_threshold=0.0, adaptive_drafting=False)
         assert target.specla_stats.tau > 2
 
 

@@ -48,7 +48,8 @@ def test_inflated_drafter_drafts_what_the_small_drafter_drafts(kind):
         big_drafter.check_target(small)
 
     prompt = torch.randint(0, 97, (1, 9))
-    kw = dict(max_new_tokens=24, do_sample=False, tree=True, confidence_threshold=0.0)
+    # fixed shapes: the shape policy's choices follow timings, which differ between the two models
+    kw = dict(max_new_tokens=24, do_sample=False, tree=True, confidence_threshold=0.0, adaptive_drafting=False)
     out_small = small.generate(prompt, assistant_model=drafter, **kw)
     stats_small = small.specla_stats
     out_big = big.generate(prompt, assistant_model=big_drafter, **kw)

@@ -94,8 +94,8 @@ def _add_model_and_decoding_arguments(parser: argparse.ArgumentParser, new_token
                      help="sample from the fewest most likely tokens whose probabilities add up to P "
                           "(default: the model's generation config)")
     dec.add_argument("--seed", type=int, help="seed torch before each timed run, so that a sampled run repeats; "
-                                              "with --no-fallback, as when the fallback switches depends on timing "
-                                              "(default: unseeded)")
+                                              "with --no-fallback and --fixed-shape, as when the fallback switches "
+                                              "and which shape each step drafts depend on timing (default: unseeded)")
     dec.add_argument("--no-fallback", dest="fallback", action="store_false",
                      help="keep speculating to the end (default: like generate(), decode autoregressively once "
                           "speculation costs more per token than an autoregressive step)")
@@ -113,6 +113,9 @@ def _add_model_and_decoding_arguments(parser: argparse.ArgumentParser, new_token
     dec.add_argument("--draft-depth", type=POSITIVE_INT,
                      help=f"longest draft path (default: {CHAIN_DEFAULTS.depth} for chains, "
                           f"{TREE_DEFAULTS.depth} for trees)")
+    dec.add_argument("--fixed-shape", action="store_true",
+                     help="draft --draft-depth and --tree-budget every step (default: each proposal's depth and "
+                          "budget, up to those, are chosen from the measured step costs and acceptance)")
 
 
 def _bounded(kind: type, ok, requirement: str):
@@ -239,7 +242,8 @@ def _settings(args: argparse.Namespace) -> DecodeSettings:
                          f"one verify pass takes {MAX_TREE_BUDGET + 1} nodes, got {args.draft_depth}")
     temperature = (args.temperature or 1.0) if sampling else 0.0
     settings = DecodeSettings(args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed, args.tree,
-                              args.fallback, args.tree_budget, args.confidence_threshold, args.draft_depth)
+                              args.fallback, args.tree_budget, args.confidence_threshold, args.draft_depth,
+                              args.fixed_shape)
     try:
         settings.check()
     except ValueError as e:

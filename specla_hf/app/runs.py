@@ -34,6 +34,7 @@ class DecodeSettings:
     tree_budget: int | None = None            # None: the library defaults (specla_hf.generation)
     confidence_threshold: float | None = None
     draft_depth: int | None = None
+    fixed_shape: bool = False                 # draft the configured depth and budget every step (no shape policy)
 
     def check(self) -> None:
         """ValueError naming the first setting out of range (the demo's API takes any value)."""
@@ -60,7 +61,8 @@ class DecodeSettings:
 
     def draft_options(self) -> DraftOptions:
         return draft_options(tree=self.tree, tree_budget=self.tree_budget if self.tree else None,
-                             draft_depth=self.draft_depth, confidence_threshold=self.confidence_threshold)
+                             draft_depth=self.draft_depth, confidence_threshold=self.confidence_threshold,
+                             adaptive_drafting=not self.fixed_shape)
 
     @property
     def greedy(self) -> bool:

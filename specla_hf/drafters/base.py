@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -172,6 +173,15 @@ def _tree_of_rows(rows: torch.Tensor) -> DraftTree:
     return DraftTree(tokens.long(), parents.long(), log_probs.clone())
 
 
+class Launched(NamedTuple):
+    """What ``collect`` and the loop need of the launched proposal."""
+    root: torch.Tensor | int          # the root's token (host or device)
+    depths: int                       # depths drafted
+    budget: int                       # its tree's budget
+    log_threshold: float              # the confidence threshold's log (-inf: none)
+    selected: int | None              # nodes of the tree selected on the device (None: ``collect`` selects)
+
+
 @dataclass
 class AcceptanceCalibration:
     """Running ratio of accepted drafts to the drafter's predicted acceptance (sum of submitted path probabilities).
@@ -205,7 +215,8 @@ class DynamicTreeDrafter:
     def __init__(self, options: DraftOptions):
         self.options = options
         self.calibration = AcceptanceCalibration()
-        self.depth = options.depth
+        # the next proposal's depth and budget (``loop.shapes.ShapePolicy`` sets them when ``options.adaptive``)
+        self.depth, self.budget = options.depth, options.budget
         self.last_tree: DraftTree | None = None
         self.last_pruned = 0   # candidate nodes dropped by the threshold in the last proposal
         self.buffers: DraftBuffers | None = None
@@ -359,18 +370,23 @@ class DynamicTreeDrafter:
                 if d > 1 and b.read_best(d - 1) < log_threshold:
                     break
                 b.queue_best(d)
-        selected = None
+        selected, budget = None, self.budget
         if threshold <= 0 and depths:
-            budget, K = self.options.budget, self.options.topk
+            K = self.options.topk
             self._run(("select", depths, budget), lambda: b.select_tree(depths, budget), "the tree selection")
             b.queue_tree()
             selected = 1 + min(budget, K + (depths - 1) * K * K)
-        self._launched = (root, depths, log_threshold, selected)
+        self._launched = Launched(root, depths, budget, log_threshold, selected)
+
+    @property
+    def launched_depths(self) -> int:
+        """Depths the launched proposal drafted."""
+        return self._launched.depths
 
     def device_tree(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The launched proposal's tree as device tensors ``(tokens [1, N], parents [1, N])`` when it was selected on
         the device (no threshold), else ``None``: the verify pass can be queued before ``collect`` reads it back."""
-        selected = self._launched[3]
+        selected = self._launched.selected
         if selected is None:
             return None
         return self.buffers.tree_tokens[None, :selected], self.buffers.tree_parents[None, :selected]
@@ -379,7 +395,7 @@ class DynamicTreeDrafter:
         """The launched proposal's tree: read back as selected on the device, or one host transfer of every depth's
         candidates, then the same selection on the host with the candidates under the threshold pruned (their
         descendants score no higher, so they go too)."""
-        root, depths, log_threshold, selected = self._launched
+        root, depths, budget, log_threshold, selected = self._launched
         if selected is not None:
             tree = self.buffers.read_tree(selected)
             self.last_tree, self.last_pruned = tree, 0
@@ -389,7 +405,7 @@ class DynamicTreeDrafter:
         if depths:               # no depth at all when the sequence is one token short of its length limit
             score, token, parent = self.buffers.candidates(depths).cpu()
             keep = score >= log_threshold
-            n, pruned = min(self.options.budget, int(keep.sum())), int((~keep).sum())
+            n, pruned = min(budget, int(keep.sum())), int((~keep).sum())
             rows = torch.cat([rows, rows.new_empty(3, n)], 1)
             select_tree_rows(score.masked_fill(~keep, float("-inf")), token, parent,
                              candidate_depths(self.options.topk, depths), n, rows)
@@ -398,16 +414,11 @@ class DynamicTreeDrafter:
         return tree
 
     def observe(self, accepted_tokens: list[int]) -> None:
-        """After verification: adapt threshold and depth to how many drafts were accepted. (Drafters keep nothing
-        pending between steps: the next ``start`` consumes the accepted tokens.)"""
-        if not self.options.adaptive:
-            return
+        """After verification: recalibrate the confidence threshold to how many drafts were accepted. (Drafters keep
+        nothing pending between steps: the next ``start`` consumes the accepted tokens.)"""
         tree = self.last_tree
-        if tree is not None and len(tree) > 1:
+        if self.options.adaptive and tree is not None and len(tree) > 1:
             self.calibration.update(tree.log_probs[1:].exp().sum().item(), len(accepted_tokens))
-        full = len(accepted_tokens) >= max(self.depth - 1, 1)
-        # HF's "heuristic" schedule, bounded by the configured depth
-        self.depth = min(self.depth + 2, self.options.depth) if full else max(self.depth - 1, 2)
 
 
 def _log(p: float) -> float:

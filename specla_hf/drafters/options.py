@@ -15,7 +15,8 @@ class DraftOptions:
     topk: int = 1                         # children per expanded node, and nodes expanded per depth
     budget: int = 8                       # max draft nodes submitted (root excluded)
     threshold: float = 0.0                # cumulative-confidence floor for submitted nodes (0 = no pruning)
-    adaptive: bool = True                 # recalibrate the threshold and depth from observed acceptance
+    adaptive: bool = True                 # recalibrate the threshold from observed acceptance, and choose each
+                                          # proposal's depth and budget up to these (``loop.shapes``)
 
     def __post_init__(self):
         for name, value in (("draft_depth", self.depth), ("tree_topk", self.topk), ("tree_budget", self.budget)):

@@ -107,7 +107,7 @@ class DeviceAcceptance:
     length: torch.Tensor      # [1] nodes on its root path (the root included) = tokens emitted
     path: torch.Tensor        # [cap] those nodes, root first (padded with ``node``)
     emitted: torch.Tensor     # [cap] the accepted drafts, then the target's bonus token (padded with it)
-    packed: torch.Tensor      # [1 + cap] length, then emitted: what the host reads back
+    packed: torch.Tensor      # [1 + 2 cap] length, emitted, path: what the host reads back
 
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, argmax: torch.Tensor,
@@ -175,4 +175,4 @@ def _walk(tokens: torch.Tensor, ancestors: torch.Tensor, match: torch.Tensor, bo
     path = node.repeat(cap + 1).scatter(0, slot, idx)[:cap]
     after = torch.cat([path[1:], node])                         # the node each emitted draft token comes from
     emitted = torch.where(torch.arange(cap, device=idx.device) + 1 < length, tokens[after], bonus(node))
-    return DeviceAcceptance(node, length, path, emitted, torch.cat([length, emitted]))
+    return DeviceAcceptance(node, length, path, emitted, torch.cat([length, emitted, path]))

@@ -29,7 +29,8 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from specla_hf.loop.acceptance import (DeviceAcceptance, accept_path, greedy_accept, processor_key, row_wise,
                                       row_wise_probs, sample_accept)
 from specla_hf.loop.autoregressive import ARDriver, ar_step_seconds
-from specla_hf.loop.policy import FallbackPolicy, fallback_memory
+from specla_hf.loop.policy import FallbackPolicy, speculation_memory
+from specla_hf.loop.shapes import ShapePolicy
 from specla_hf.loop.stats import SpecLAStats
 from specla_hf.loop.stopping import Stopping
 from specla_hf.runtime.graphs import tensors_in
@@ -43,21 +44,25 @@ class StepResult:
     committed: int                           # positions the step added to the target's committed state
     scores: list[torch.Tensor] | None = None   # processed scores per emitted token (when asked for)
     logits: list[torch.Tensor] | None = None   # raw logits per emitted token (when asked for)
+    # the verified tree (host parents, cumulative draft log-probs), its accepted path (root first) and the depths
+    # drafted, for the shape policy (when it is on)
+    verified: tuple[torch.Tensor, torch.Tensor, list[int], int] | None = None
 
 
 class HostDriver:
     """The step with the acceptance on the host (see module docstring)."""
 
-    def __init__(self, target, drafter, cache, stats: SpecLAStats, logits_processor: LogitsProcessorList,
-                 do_sample: bool, max_length: int, device: torch.device, keep_scores: bool):
-        self.target, self.drafter, self.cache, self.stats = target, drafter, cache, stats
+    def __init__(self, target, drafter, cache, stats: SpecLAStats, shapes: ShapePolicy,
+                 logits_processor: LogitsProcessorList, do_sample: bool, max_length: int, device: torch.device,
+                 keep_scores: bool):
+        self.target, self.drafter, self.cache, self.stats, self.shapes = target, drafter, cache, stats, shapes
         self.logits_processor, self.do_sample, self.max_length = logits_processor, do_sample, max_length
         self.device, self.keep_scores = device, keep_scores
         self.plain = not do_sample and not len(logits_processor)
 
     def step(self, host_ids: torch.LongTensor) -> StepResult:
         target, drafter, stats = self.target, self.drafter, self.stats
-        t0 = time.perf_counter()
+        t0, start, depths = time.perf_counter(), self.shapes.start(), drafter.launched_depths
         # a tree selected on the device is verified before the host reads it back, so the GPU goes from drafting to
         # verifying without waiting for the host; otherwise the host selects it and the adapter copies it in
         selected = drafter.device_tree()
@@ -89,10 +94,10 @@ class HostDriver:
         # the next proposal goes to the device now, so the GPU drafts while the host checks the stopping criteria
         grown = torch.cat([host_ids, host_ids.new_tensor([acc.emitted])], 1)
         with record_function("specla.launch"):
-            launch(drafter, grown, self.max_length, stats)
+            self.shapes.launch(drafter, start, len(tree), lambda: launch(drafter, grown, self.max_length, stats))
         kept = None if logits is None else [logits[n:n + 1] for n in acc.path]
         return StepResult(acc.emitted, len(tree) - 1, len(acc.path), acc.scores if self.keep_scores else None,
-                          kept if self.keep_scores else None)
+                          kept if self.keep_scores else None, (tree.parents, tree.log_probs, acc.path, depths))
 
     def finish(self) -> None:
         pass
@@ -105,36 +110,44 @@ class DeviceDriver:
     processors, each row of the tree processed alone); the drafter's catch-up runs as a chain verify, so drafts may
     differ from the host driver's by rounding."""
 
-    def __init__(self, target, drafter, cache, stats: SpecLAStats, sampling: LogitsProcessorList | None = None):
-        self.target, self.drafter, self.cache, self.stats = target, drafter, cache, stats
+    def __init__(self, target, drafter, cache, stats: SpecLAStats, shapes: ShapePolicy,
+                 sampling: LogitsProcessorList | None = None):
+        self.target, self.drafter, self.cache, self.stats, self.shapes = target, drafter, cache, stats, shapes
         self.sampling = sampling
         self.rule = ("greedy",) if sampling is None else ("sampling", processor_key(sampling))
         self.cap = drafter.options.depth + 1
-        self.readback = HostCopy((1 + self.cap,), torch.long, target.device)
+        self.readback = HostCopy((1 + 2 * self.cap,), torch.long, target.device)
+        self.tree_readback = HostCopy(tuple(drafter.buffers.verified.shape), torch.float64, target.device)
         drafter.last_tree = None           # no host tree per step (nothing to calibrate against); set by ``finish``
         self.nodes = 0
 
     def step(self, host_ids: torch.LongTensor) -> StepResult:
-        drafter, stats = self.drafter, self.stats
-        t0 = time.perf_counter()
+        drafter, stats, shapes = self.drafter, self.stats, self.shapes
+        t0, start, depths = time.perf_counter(), shapes.start(), drafter.launched_depths
         tokens, parents = drafter.device_tree()
         out = verify(self.target, self.cache, tokens, parents, drafter.feature_layers)
         self.nodes = tokens.shape[1]
         with record_function("specla.accept"):
             acc = self._tail(tokens, parents, out)        # acceptance, commit, the drafter's catch-up
             self.readback.queue(acc.packed)
+            if shapes.active:
+                self.tree_readback.queue(drafter.buffers.verified)
         t1 = time.perf_counter()
         with record_function("specla.launch"):
-            drafter.launch_caught_up()
+            shapes.launch(drafter, start, self.nodes, drafter.launch_caught_up)
         t2 = time.perf_counter()
         with record_function("specla.collect"):
-            length, *emitted = self.readback.read().tolist()        # this step's tokens, while the GPU drafts
-        emitted = emitted[:length]
+            length, *packed = self.readback.read().tolist()        # this step's tokens, while the GPU drafts
+        emitted = packed[:length]
         drafter.advance(len(emitted))
         drafter.observe(emitted[:-1])
         stats.draft_time += t2 - t1
         stats.verify_time += time.perf_counter() - t2 + t1 - t0
-        return StepResult(emitted, self.nodes - 1, len(emitted))
+        verified = None
+        if shapes.active:
+            rows = self.tree_readback.read()[:, :self.nodes]
+            verified = (rows[1].long(), rows[2], packed[self.cap:self.cap + length], depths)
+        return StepResult(emitted, self.nodes - 1, len(emitted), verified=verified)
 
     def finish(self) -> None:
         self.drafter.last_tree = self.drafter.buffers.verified_tree(self.nodes)
@@ -208,12 +221,20 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     calls' speculation with this drafter and sampling rule lost (``loop.policy``)."""
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
-    policy = None
-    if fallback and drafter is not None:
-        policy = FallbackPolicy(ar_step_seconds(target), fallback_memory(target, drafter, logits_processor, do_sample))
-        stats.mode_reason = policy.start_autoregressive() or ""
-        if stats.mode_reason:
-            drafter = policy = None
+    policy = shapes = None
+    if drafter is not None:
+        memory = speculation_memory(target, drafter, logits_processor, do_sample)
+        shapes = ShapePolicy(drafter.options, memory.shapes, target.device)
+        if fallback:
+            policy = FallbackPolicy(ar_step_seconds(target), memory.fallback)
+            stats.mode_reason = policy.start_autoregressive() or ""
+            if stats.mode_reason:
+                drafter = policy = shapes = None
+    graph_sets = [g for g in (target.graphs, getattr(getattr(drafter, "runner", None), "graphs", None)) if g]
+
+    def captures() -> int:
+        return sum(g.captures for g in graph_sets)
+    captured_before = captures()
     # the sequence grows on the host: the stopping criteria, the streamer and the drafter read it there, and nothing
     # in a greedy step waits for the GPU but the draft and the verify results
     device = input_ids.device
@@ -237,19 +258,16 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     if drafter is None:
         driver, stats.mode = autoregressive(), "autoregressive"
     else:
+        shapes.apply(drafter)
         launch(drafter, host_ids, max_length, stats)
         on_device = plain or (do_sample and row_wise(logits_processor))
         if on_device and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
-            driver = DeviceDriver(target, drafter, cache, stats, logits_processor if do_sample else None)
+            driver = DeviceDriver(target, drafter, cache, stats, shapes, logits_processor if do_sample else None)
             stats.acceptance = "device"
         else:
-            driver = HostDriver(target, drafter, cache, stats, logits_processor, do_sample, max_length, device,
-                                keep_scores)
+            driver = HostDriver(target, drafter, cache, stats, shapes, logits_processor, do_sample, max_length,
+                                device, keep_scores)
             stats.acceptance = "host"
-    graph_sets = [g for g in (target.graphs, getattr(getattr(drafter, "runner", None), "graphs", None)) if g]
-
-    def captures() -> int:
-        return sum(g.captures for g in graph_sets)
     while True:
         t, captured = time.perf_counter(), captures()
         step = driver.step(host_ids)
@@ -265,6 +283,8 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
             all_scores += step.scores[:added]
             all_logits += step.logits[:added]
         host_ids = kept
+        if step.verified is not None:
+            shapes.observe(*step.verified, captured=captures() != captured)
         if stop:
             break
         if policy is not None and stats.mode == "speculative" and captures() == captured:
@@ -280,5 +300,6 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         if stats.mode == "speculative":
             stats.mode_reason = policy.summary()
     stats.new_tokens = host_ids.shape[1] - prompt_len
+    stats.graph_captures = captures() - captured_before
     stats.total_time = time.perf_counter() - start
     return host_ids.to(device), stats, all_scores, all_logits

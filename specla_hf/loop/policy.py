@@ -7,10 +7,11 @@ step once (``loop.autoregressive.ar_step_seconds``), each speculative step as it
 that captured CUDA graphs is not observed). Speculation loses when its recent steps (the last ``window``) cost more
 per kept token than the autoregressive step; lossless either way, since both modes decode the target.
 
-The recent steps outlive the call: the target's adapter keeps one ``FallbackMemory`` per drafter (its adapter), drafter
-kind, draft options and sampling rule (greedy or sampling, and each logits processor's class and scalar settings:
-temperature, top-k, top-p, penalties), the things that decide acceptance and cost (``fallback_memory``;
-``clear_fallback_memory`` forgets them). So:
+The recent steps outlive the call: the target's adapter keeps one ``SpeculationMemory`` (this fallback memory and the
+proposal shapes' costs and acceptance, ``loop.shapes``) per drafter (its adapter), drafter kind, draft options and
+sampling rule (greedy or sampling, and each logits processor's class and scalar settings: temperature, top-k, top-p,
+penalties), the things that decide acceptance and cost (``speculation_memory``; ``clear_speculation_memory`` forgets
+them). So:
 - a call is judged once ``warmup`` steps are known, its own or earlier calls', and it has made one of its own: the
   first call with a drafter and settings pays ``warmup`` speculative steps, the next ones one;
 - a call falls back to autoregressive decoding, for the rest of the call, when its recent steps (earlier calls'
@@ -27,6 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from specla_hf.loop.acceptance import processor_key
+from specla_hf.loop.shapes import ShapeMemory
 
 MAX_BACKOFF = 16           # most calls started autoregressively between two that try speculation again
 
@@ -117,16 +119,23 @@ def memory_key(drafter, logits_processor, do_sample: bool) -> tuple:
     return type(drafter).__name__, dataclasses.astuple(drafter.options), do_sample, processor_key(logits_processor)
 
 
-def fallback_memory(target, drafter, logits_processor, do_sample: bool) -> FallbackMemory:
+@dataclass
+class SpeculationMemory:
+    """What the target's adapter remembers of speculation under one drafter and sampling rule."""
+    fallback: FallbackMemory = field(default_factory=FallbackMemory)
+    shapes: ShapeMemory = field(default_factory=ShapeMemory)
+
+
+def speculation_memory(target, drafter, logits_processor, do_sample: bool) -> SpeculationMemory:
     """The target adapter's memory for this drafter and sampling rule (created empty). Kept per drafter adapter,
     weakly, so that a drafter's memory goes with it."""
-    if getattr(target, "fallback_memory", None) is None:
-        target.fallback_memory = weakref.WeakKeyDictionary()
-    per_drafter = target.fallback_memory.setdefault(drafter.runner, {})
-    return per_drafter.setdefault(memory_key(drafter, logits_processor, do_sample), FallbackMemory())
+    if getattr(target, "speculation_memory", None) is None:
+        target.speculation_memory = weakref.WeakKeyDictionary()
+    per_drafter = target.speculation_memory.setdefault(drafter.runner, {})
+    return per_drafter.setdefault(memory_key(drafter, logits_processor, do_sample), SpeculationMemory())
 
 
-def clear_fallback_memory(target) -> None:
+def clear_speculation_memory(target) -> None:
     """Forget what the target's adapter (``specla_hf.adapter_for(model)``) remembers of speculation: the next call
-    with each drafter pays the warm-up steps again."""
-    target.fallback_memory = None
+    with each drafter pays the warm-up steps again and measures the proposal shapes anew."""
+    target.speculation_memory = None

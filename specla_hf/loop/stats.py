@@ -21,6 +21,8 @@ class SpecLAStats:
                                           # stop fell inside a committed block)
     mode: str = "speculative"             # how the call ended: "speculative" or "autoregressive"
     mode_reason: str = ""                 # why (e.g. the fallback's measured costs)
+    graph_captures: int = 0               # CUDA graphs the call captured (each costs milliseconds: first calls, new
+                                          # tree sizes)
     acceptance: str = ""                  # where speculative steps accepted: "device" (``loop.decode.DeviceDriver``)
                                           # or "host" (``HostDriver``); "" when none ran
 

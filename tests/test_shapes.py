@@ -1,0 +1,141 @@
+"""The proposal shape policy: what a smaller tree would have accepted, and which shape it picks from costs."""
+import pytest
+import torch
+
+from conftest import tiny_gdn
+from specla_hf.drafters.base import candidate_depths, select_tree_rows
+from specla_hf.drafters.options import DraftOptions
+from specla_hf.loop.shapes import ShapeMemory, ShapePolicy, accepted_within, budgets, candidates
+
+
+def drafted_candidates(K: int, D: int, gen: torch.Generator):
+    """Candidates as ``DraftBuffers`` records them: depth 1 the root's K children, then the K best (by cumulative
+    log-prob) of each depth expanded into K children each; siblings hold distinct tokens."""
+    score, token, parent = [], [], []
+    frontier = [(-1, 0.0)]                                   # (candidate index, its score); -1: the root
+    for d in range(1, D + 1):
+        first = len(score)
+        for up, up_score in frontier:
+            logp = torch.log(torch.rand(K, generator=gen).clamp(min=1e-3))
+            for tok, lp in zip(torch.randperm(6, generator=gen)[:K].tolist(), logp.tolist()):
+                score.append(up_score + lp)
+                token.append(tok)
+                parent.append(up)
+        mine = range(first, len(score))
+        frontier = sorted(((i, score[i]) for i in mine), key=lambda x: -x[1])[:K]
+    return (torch.tensor(score, dtype=torch.float64), torch.tensor(token, dtype=torch.float64),
+            torch.tensor(parent, dtype=torch.float64))
+
+
+def tree_of(score, token, parent, K: int, depths: int, n: int):
+    """The tree of the ``n`` best candidates of depths ``1..depths`` (the drafter's selection): rows tokens,
+    parents, scores with the root in column 0."""
+    C = candidates(DraftOptions(depth=depths, topk=K, budget=1), depths)
+    rows = torch.zeros(3, n + 1, dtype=torch.float64)
+    rows[1, 0] = -1
+    select_tree_rows(score[:C], token[:C], parent[:C], candidate_depths(K, depths), n, rows)
+    return rows
+
+
+def accepted_path(rows, secret: list[int]) -> list[int]:
+    """The greedy walk: from the root, the child holding the target's next token, while there is one."""
+    tokens, parents = rows[0].long().tolist(), rows[1].long().tolist()
+    path = [0]
+    for want in secret:
+        child = [i for i in range(1, len(tokens)) if parents[i] == path[-1] and tokens[i] == want]
+        if not child:
+            break
+        path.append(child[0])
+    return path
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_verified_tree_says_what_each_smaller_shape_accepts(seed):
+    """Against building each smaller tree and walking it: every shape the tree holds gets its exact count."""
+    gen = torch.Generator().manual_seed(seed)
+    K, D = int(torch.randint(2, 5, (), generator=gen)), int(torch.randint(2, 7, (), generator=gen))
+    score, token, parent = drafted_candidates(K, D, gen)
+    opts = DraftOptions(depth=D, topk=K, budget=1)
+    n = int(torch.randint(K, len(score) + 1, (), generator=gen))
+    rows = tree_of(score, token, parent, K, D, n)
+    # the target follows one drafted branch for a random length, then wants a token no child holds
+    leaf = int(torch.randint(1, n + 1, (), generator=gen))
+    branch, up = [], rows[1].long().tolist()
+    while leaf > 0:
+        branch.append(int(rows[0, leaf]))
+        leaf = up[leaf]
+    secret = branch[::-1][:int(torch.randint(0, D + 1, (), generator=gen))] + [99]
+    path = accepted_path(rows, secret)
+    sizes = sorted({3, 7, 15, n - 1, n, n + 4} - {0})
+    nodes = torch.tensor([[min(b, candidates(opts, d)) for b in sizes] for d in range(1, D + 1)])
+    got, observed = accepted_within(rows[1].long(), rows[2], path, nodes)
+    tree_depths = [0] * (n + 1)
+    for i in range(1, n + 1):
+        tree_depths[i] = tree_depths[int(rows[1, i])] + 1
+    checked = 0
+    for d in range(1, D + 1):
+        for j, b in enumerate(sizes):
+            small = int(nodes[d - 1, j])
+            expect = len(accepted_path(tree_of(score, token, parent, K, d, small), secret)) - 1
+            if observed[d - 1, j]:
+                assert got[d - 1, j] == expect, (d, b)
+                checked += 1
+            else:                       # the tree holds fewer nodes of these depths than the shape
+                assert sum(1 <= t <= d for t in tree_depths[1:]) < small
+    assert checked and got.max() == len(path) - 1
+
+
+def policy_with(memory: ShapeMemory, depth=8, topk=4, budget=63) -> ShapePolicy:
+    return ShapePolicy(DraftOptions(depth=depth, topk=topk, budget=budget), memory, torch.device("cpu"))
+
+
+def test_budgets_are_the_configured_one_and_smaller_buckets():
+    assert budgets(DraftOptions(depth=8, topk=4, budget=63)) == [15, 31, 63]
+    assert budgets(DraftOptions(depth=8, topk=4, budget=40)) == [15, 31, 40]
+    assert budgets(DraftOptions(depth=6, topk=1, budget=6)) == [6]
+
+
+def test_the_policy_probes_untimed_buckets_then_picks_the_best_rate():
+    memory = ShapeMemory()
+    policy = policy_with(memory)
+    assert policy.choose() == (8, 63)                      # nothing timed: the configured shape
+    memory.verify_seconds[64] = 2.0
+    memory.draft_seconds[8] = 1.6
+    assert policy.choose() == (8, 31)                      # the 32-node bucket is not timed: its largest shape
+    memory.verify_seconds[32] = 1.8
+    assert policy.choose() == (8, 15)
+    memory.verify_seconds.update({16: 1.6, 8: 1.5})
+    # low acceptance that a small tree keeps almost all of: the small, shallow tree
+    memory.count.fill_(5.0)
+    memory.accepted.copy_(torch.tensor([[min(d, 2.0) * 5 * (0.9 + 0.05 * b) for b in range(3)]
+                                        for d in range(1, 9)], dtype=torch.float64))
+    depth, budget = policy.choose()
+    assert budget == 15 and depth == 2
+    # high acceptance that grows with depth and width: the whole tree
+    memory.accepted.copy_(torch.tensor([[d * 5 * (0.5 + 0.25 * b) for b in range(3)] for d in range(1, 9)],
+                                       dtype=torch.float64))
+    assert policy.choose() == (8, 63)
+    memory.since_probe = 16
+    memory.accepted.zero_()
+    assert policy.choose() == (8, 63)                      # the periodic probe of the configured shape
+
+
+def test_draft_costs_interpolate_between_timed_depths():
+    memory = ShapeMemory(draft_seconds={2: 0.2, 8: 0.8})
+    policy = policy_with(memory)
+    assert policy.draft_cost(5) == pytest.approx(0.5)
+    assert policy.draft_cost(1) == pytest.approx(0.1)
+    assert policy.draft_cost(8) == 0.8
+
+
+def test_generate_moves_the_shape_and_measures_each_bucket(bad_drafter):
+    """A drafter that is never right, on a target where verifying more nodes costs more: the policy times each
+    verify bucket and settles on a small shape; output stays the target's own."""
+    model = tiny_gdn(seed=81)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(81))
+    plain = model.generate(ids, max_new_tokens=40, do_sample=False)
+    out = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=bad_drafter, tree=True,
+                         tree_budget=63, autoregressive_fallback=False)
+    assert torch.equal(out, plain)
+    nodes = model.specla_stats.draft_nodes
+    assert nodes[0] == 63 and {15, 31} <= set(nodes) and nodes.count(4) > len(nodes) // 2     # depth 1
