@@ -222,6 +222,14 @@ def test_policy_judges_one_fresh_step_with_the_remembered_ones():
     assert len(memory.steps) == policy.window               # the memory keeps the judged window only
 
 
+def test_a_call_that_pays_overall_outlasts_a_losing_window():
+    """Steps keep 1 to 8 tokens at tau 2-3, so an 8-step window tested at every step loses by chance sooner or
+    later: a call falls back only when all its own steps together lose too."""
+    paying, unlucky = [(1.0, 3)] * 20, [(1.2, 1)] * 8                # 0.33 s, then 1.2 s a token against 1 s
+    assert simulated_call(FallbackMemory(), 1.0, paying + unlucky) == "speculated"
+    assert simulated_call(FallbackMemory(), 1.0, paying[:2] + [(3.0, 1)] * 8) == "fell back after 5"
+
+
 def test_memory_key_tells_drafters_shapes_and_sampling_apart(bad_drafter):
     model = tiny_gdn(seed=78)
     chain, tree = (make_drafter(model, bad_drafter, draft_options(tree=t)) for t in (False, True))

@@ -15,7 +15,9 @@ them). So:
 - a call is judged once ``warmup`` steps are known, its own or earlier calls', and it has made one of its own: the
   first call with a drafter and settings pays ``warmup`` speculative steps, the next ones one;
 - a call falls back to autoregressive decoding, for the rest of the call, when its recent steps (earlier calls'
-  included) lose and its own steps lose too, so that a call where speculation pays is not held back by the history;
+  included) lose and all its own steps together lose too, so that a call where speculation pays is not held back by
+  the history, and one where it pays by a little is not ended by a few unlucky steps (a window of a few steps,
+  tested at every step, loses by chance sooner or later at tau 2-3, where a step keeps 1 to 8 tokens);
 - after a call that fell back, the next calls start autoregressively while the remembered steps still lose: 1 call,
   then 2, 4, ... up to ``MAX_BACKOFF`` after each further call that falls back (the calls in between re-probe
   speculation, one step or more); a call judged that speculates to its end resets the back-off.
@@ -54,6 +56,8 @@ class FallbackPolicy:
     warmup: int = 4                       # steps known before judging (the first ones capture graphs)
     window: int = 8                       # recent steps judged, and remembered
     own_steps: int = 0                    # steps observed in this call
+    own_seconds: float = 0.0              # their time
+    own_tokens: int = 0                   # and tokens kept
 
     @property
     def steps(self) -> list[tuple[float, int]]:
@@ -63,6 +67,8 @@ class FallbackPolicy:
         self.steps.append((seconds, tokens))
         del self.steps[:-self.window]
         self.own_steps += 1
+        self.own_seconds += seconds
+        self.own_tokens += tokens
 
     def seconds_per_token(self) -> float:
         """Speculation's recent cost per kept token (``cost_per_token`` of the last ``window`` steps)."""
@@ -81,7 +87,7 @@ class FallbackPolicy:
 
     def verdict(self) -> str | None:
         """Why to fall back now, or ``None`` to keep speculating."""
-        if not self.judged() or cost_per_token(self.steps[-self.own_steps:]) <= self.ar_seconds:
+        if not self.judged() or self.own_seconds / max(self.own_tokens, 1) <= self.ar_seconds:
             return None
         return self.losing()
 
