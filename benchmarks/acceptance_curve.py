@@ -6,7 +6,9 @@ beside it, the kernels, the graphs, the drafting and pruning) and varies only ho
 target: Gaussian noise of a swept scale is added to the drafter's logits before its softmax, inside its captured
 calls, so its top-k changes and its confidences stay those of a real softmax. Sampling at temperature 0.7 and 1.0
 lowers tau without noise. Every speculative point is measured with the fallback to autoregressive decoding off (what
-speculation itself costs) and, for the default tree, on (what a user gets by default).
+speculation itself costs) and, for the default tree, on (what a user gets by default). ``tree`` chooses each
+proposal's shape (``loop.shapes``), ``tree_fixed`` drafts the configured 8 / 4 / 63 every step; every point is run
+once untimed first, so that the shapes its acceptance leads to have their graphs captured.
 
     python benchmarks/acceptance_curve.py --eval-dir data/eval --out $OUT
 
@@ -36,6 +38,7 @@ from specla_hf.training.inflate import inflate_pair
 METHODS = {
     "chain": ("eagle", dict(tree=False, confidence_threshold=0.0)),
     "tree": ("eagle", dict(tree=True, confidence_threshold=0.0)),
+    "tree_fixed": ("eagle", dict(tree=True, confidence_threshold=0.0, adaptive_drafting=False)),
     "tree_pruned": ("eagle", dict(tree=True, confidence_threshold=0.05)),
     "dart": ("dart", dict(tree=True, confidence_threshold=0.0)),
 }
@@ -66,6 +69,17 @@ class DraftNoise:
 
     def set(self, scale: float) -> None:
         self.scale.fill_(scale)
+
+
+def log_shape_costs(target) -> None:
+    """What the shape policy measured (``loop.shapes``): ms per verify bucket (with the step's tail) and per depths
+    drafted, for each drafter and setting the target's adapter remembers."""
+    for per_drafter in (adapter_for(target).speculation_memory or {}).values():
+        for key, memory in per_drafter.items():
+            costs = [{k: round(1e3 * v, 3) for k, v in sorted(table.items())}
+                     for table in (memory.shapes.verify_seconds, memory.shapes.draft_seconds)]
+            log(f"shape costs {key[0]} {key[1][:4]} {key[2]}: verify ms by bucket {costs[0]}, drafting ms by depths "
+                f"{costs[1]}")
 
 
 def prompts(eval_dir: Path, per_set: int) -> list[str]:
@@ -167,24 +181,31 @@ def main():
                             ms_per_token=ms, graph_ar_ms_per_token=base, speedup_vs_graph_ar=base / ms,
                             stock_ms_per_token=stock_ms, speedup_vs_stock=stock_ms / ms,
                             mode=sorted({s.mode for s in stats}), acceptance=sorted({s.acceptance for s in stats}),
+                            graph_captures=sum(s.graph_captures for s in stats),
                             draft_nodes=statistics.mean(x for s in stats for x in s.draft_nodes[:s.speculative_steps]
                                                         or [0])))
         r = records[-1]
         log(f"{r['method']:<34} noise {noise_scale:<4} T {temperature} tau {r['tau']:.2f} {ms:.3f} ms/token "
-            f"{r['speedup_vs_graph_ar']:.2f}x graph AR ({r['mode']})")
+            f"{r['speedup_vs_graph_ar']:.2f}x graph AR ({r['mode']}, {r['draft_nodes']:.1f} nodes a step, "
+            f"{r['graph_captures']} graph captures)")
+
+    def timed(target, ids_list, n, **kwargs):
+        run(target, ids_list[:1], n, **kwargs)     # untimed: graphs of the shapes this acceptance leads to
+        return run(target, ids_list, n, **kwargs)
 
     for method in args.methods.split(","):
         drafter, kw = METHODS[method]
         for scale in map(float, args.noise.split(",")):
             noise.set(scale)
-            ms, stats = run(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],
-                            autoregressive_fallback=False, **kw)
+            ms, stats = timed(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],
+                              autoregressive_fallback=False, **kw)
             record(method, scale, None, ms, stats, False)
             if method == "tree":
-                ms, stats = run(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],
-                                autoregressive_fallback=True, **kw)
+                ms, stats = timed(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],
+                                  autoregressive_fallback=True, **kw)
                 record(method, scale, None, ms, stats, True)
             (args.out / "acceptance_curve.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    log_shape_costs(target)
     noise.set(0.0)
     for temp in map(float, args.temperatures.split(",")):
         ar[temp] = ar_ms(True, temp)
@@ -192,6 +213,8 @@ def main():
         for method in args.methods.split(","):
             drafter, kw = METHODS[method]
             for fallback in ((False, True) if method == "tree" else (False,)):
+                run(target, ids_list[:1], n, do_sample=True, temperature=temp, assistant_model=drafters[drafter],
+                    autoregressive_fallback=fallback, **kw)
                 torch.manual_seed(1)
                 ms, stats = run(target, ids_list, n, do_sample=True, temperature=temp,
                                 assistant_model=drafters[drafter], autoregressive_fallback=fallback, **kw)

@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import specla_hf
-from acceptance_curve import log, prompts, run
+from acceptance_curve import log, log_shape_costs, prompts, run
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
 from specla_kernels import tuning
@@ -48,6 +49,8 @@ DECISIVE_MARGIN = (1.0, 0.05)
 METHODS = {
     "chain": dict(tree=False, confidence_threshold=0.0, autoregressive_fallback=False),
     "tree": dict(tree=True, confidence_threshold=0.0, autoregressive_fallback=False),
+    # the configured 8 / 4 / 63 every step, not the shape policy's choice (``loop.shapes``)
+    "tree_fixed": dict(tree=True, confidence_threshold=0.0, autoregressive_fallback=False, adaptive_drafting=False),
     "tree_default": dict(tree=True),
 }
 
@@ -225,11 +228,15 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                             one, one_stats = run(target, [ids], n_new, do_sample=False, assistant_model=drafter, **kw)
                             ms, stats = ms + one / len(ids_list), stats + one_stats
                     records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
-                                        ms_per_token=ms, mode=sorted({s.mode for s in stats})))
+                                        ms_per_token=ms, mode=sorted({s.mode for s in stats}),
+                                        graph_captures=sum(s.graph_captures for s in stats),
+                                        draft_nodes=statistics.mean(n for s in stats for n in s.draft_nodes or [0])))
                     if profile_dir is not None and method == "tree" and noises and noise == noises[-1]:
                         profile_call(target, ids_list[-1], n_new, profile_dir / f"profile_tree_{shape}.txt",
                                      assistant_model=drafter, **kw)
-                    log(f"{shape}: {name} {method} noise {noise}: tau {records[-1]['tau']:.2f}, {ms:.2f} ms/token")
+                    log(f"{shape}: {name} {method} noise {noise}: tau {records[-1]['tau']:.2f}, {ms:.2f} ms/token, "
+                        f"{records[-1]['draft_nodes']:.1f} nodes a step, {records[-1]['graph_captures']} captures")
+        log_shape_costs(target)
         for r in records:
             r["speedup_vs_ar"], r["speedup_vs_stock"] = ar / r["ms_per_token"], stock / r["ms_per_token"]
         return records
