@@ -118,7 +118,7 @@ def experts_blocker(mlps) -> str | None:
     return f"the MoE blocks ({', '.join(moe)}) cannot be captured as CUDA graphs" if moe else None
 
 
-def fused_attention(m) -> bool:
+def fusable_attention(m) -> bool:
     """Whether ``HybridRunner._attention`` computes this full-attention module's calls itself (batch 1): gated queries
     (q_proj gives each head its query and output gate), zero-centred q/k norms of one eps, bias-free projections."""
     return (zero_centred(m.q_norm) and m.q_norm.eps == m.k_norm.eps
@@ -150,7 +150,7 @@ def supports_fused_step(model) -> bool:
             widths.append(m.value_dim)
         else:
             m = block.self_attn
-            if not fused_attention(m):
+            if not fusable_attention(m):
                 return False
             widths.append(m.o_proj.in_features)
         if any(lin.bias is not None for lin in linears):
@@ -204,7 +204,7 @@ class HybridRunner(GraphedAdapter):
         projections of ``blocks`` those paths multiply as one fused (``fused_rows``): before any graph reads the
         parameters."""
         self.one_kernel_norms = all(map(zero_centred, self._hidden_norms()))
-        self.fused_attention = all(map(fused_attention, self._attention_modules()))
+        self.fused_attention = all(map(fusable_attention, self._attention_modules()))
         for block in blocks:
             if self.fused_attention and hasattr(block, "self_attn"):
                 fuse_qkv(block.self_attn)
