@@ -120,6 +120,24 @@ def test_the_policy_probes_untimed_buckets_then_picks_the_best_rate():
     assert policy.choose() == (8, 63)                      # the periodic probe of the configured shape
 
 
+def test_a_bucket_the_trees_never_reach_is_tried_then_charged_as_its_neighbour():
+    """A confidence threshold may prune every tree below a bucket: after a few proposals launched to time it, its
+    cost is the nearest timed larger bucket's, and the policy chooses among the shapes again."""
+    memory = ShapeMemory(verify_seconds={64: 2.0, 16: 1.5, 8: 1.5}, draft_seconds={8: 0.8})
+    policy = policy_with(memory)
+    memory.count.fill_(5.0)
+    memory.accepted.fill_(5.0)                              # one draft accepted in every shape: the cheapest wins
+
+    class Drafter:
+        depth = budget = None
+    for _ in range(3):
+        policy.apply(Drafter)
+        assert (Drafter.depth, Drafter.budget) == (8, 31)    # the 32-node bucket, never timed
+    assert policy.verify_cost(32) == 2.0 and policy.verify_cost(8) == 1.5
+    policy.apply(Drafter)
+    assert (Drafter.depth, Drafter.budget) == (1, 15)       # depth 1: 4 nodes, the 8-node bucket at 16's cost
+
+
 def test_draft_costs_interpolate_between_timed_depths():
     memory = ShapeMemory(draft_seconds={2: 0.2, 8: 0.8})
     policy = policy_with(memory)
@@ -138,4 +156,6 @@ def test_generate_moves_the_shape_and_measures_each_bucket(bad_drafter):
                          tree_budget=63, autoregressive_fallback=False)
     assert torch.equal(out, plain)
     nodes = model.specla_stats.draft_nodes
-    assert nodes[0] == 63 and {15, 31} <= set(nodes) and nodes.count(4) > len(nodes) // 2     # depth 1
+    assert nodes[0] == 63 and {4, 15, 31} <= set(nodes)                 # each bucket tried
+    settled = nodes[8:]                                                  # past the buckets' capture and timing
+    assert sum(n < 63 for n in settled) >= len(settled) - 3             # the whole tree only on probes

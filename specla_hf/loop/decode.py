@@ -295,6 +295,8 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
                 driver, stats.mode = autoregressive(), "autoregressive"
                 stats.mode_reason = f"fell back after {stats.steps} speculative steps: {reason}"
     driver.finish()
+    if shapes is not None:
+        shapes.finish()
     if policy is not None:
         policy.settle(fell_back=stats.mode == "autoregressive")
         if stats.mode == "speculative":

@@ -8,14 +8,15 @@ which shape pays best depends on the acceptance and on the device, so the loop m
 - **costs**: each step's phases are timed on the device's timeline (``PhaseClock``: CUDA events, read once they have
   passed; the wall clock on a CPU, which runs synchronously): the verify pass and the step's tail by verify bucket,
   the drafting by depths drafted. A step that captured CUDA graphs is not timed. A verify bucket of the menu not
-  timed yet is tried once, with its largest shape; drafting costs of depths not timed yet are interpolated. A step
-  runs from its start to the next step's start, so time the GPU waits for the host is charged to the drafting
-  before the wait.
+  timed yet is tried with its largest shape (a few proposals at most: a confidence threshold may prune every tree
+  below it, and it is then charged as the nearest timed larger bucket); drafting costs of depths not timed yet are
+  interpolated. A step runs from its start to the next step's start, so time the GPU waits for the host is charged
+  to the drafting before the wait.
 - **acceptance**: one verified tree says what every smaller shape would have accepted (``accepted_within``). A tree
   is the best-scored candidates, so a tree of depth ``d`` and budget ``B`` holds a node of the accepted path iff fewer
   than ``B`` candidates of depth ``<= d`` outscore it, and those all sit in the verified tree. Decayed means per
-  shape, over the steps whose tree held it; every ``probe`` steps the configured shape is drafted whole, so the larger
-  shapes stay observed.
+  shape, over the steps whose tree held it; every ``probe`` proposals the configured shape is drafted whole, so the
+  larger shapes stay observed.
 
 The next proposal takes the shape of the most tokens per second, ``(1 + mean accepted + its standard error) / cost``:
 optimistic, because a larger shape is observed on fewer steps (the probes, and the steps that chose it), and an
@@ -38,6 +39,8 @@ SMALLEST_BUDGET_BUCKET = 16   # smaller trees save no verify time on the GPU (a 
                               # nodes, docs/results.md), only more tail graphs
 DECAY = 0.95                  # weight of a shape's older steps per new one: the acceptance of ~20 recent steps
 COST_EMA = 0.25               # weight of a new timing in a phase's running cost
+EXPLORE_TRIES = 3             # proposals launched to time a verify bucket before its cost is taken from its neighbours
+                              # (a confidence threshold may prune every tree below it)
 
 
 def budgets(options: DraftOptions) -> list[int]:
@@ -66,6 +69,7 @@ class ShapeMemory:
     verify_seconds: dict[int, float] = field(default_factory=dict)    # bucket -> verify pass + step tail
     draft_seconds: dict[int, float] = field(default_factory=dict)     # depths drafted -> drafting
     since_probe: int = 0                    # proposals since the configured shape was last drafted
+    explored: dict[int, int] = field(default_factory=dict)    # untimed bucket -> proposals launched to time it
 
 
 def accepted_within(parents: torch.Tensor, scores: torch.Tensor, path: list[int],
@@ -152,9 +156,12 @@ class ShapePolicy:
     # ---- what the drivers call ----
     def apply(self, drafter) -> None:
         """Give the drafter the next proposal's shape (the configured one when the policy is off)."""
-        whole = (self.options.depth, self.options.budget)
+        m, whole = self.memory, (self.options.depth, self.options.budget)
         drafter.depth, drafter.budget = shape = self.choose() if self.active else whole
-        self.memory.since_probe = 0 if shape == whole else self.memory.since_probe + 1
+        m.since_probe = 0 if shape == whole else m.since_probe + 1
+        bucket = int(self.buckets[shape[0] - 1, self.budgets.index(shape[1])])
+        if bucket not in m.verify_seconds:
+            m.explored[bucket] = m.explored.get(bucket, 0) + 1
 
     def start(self):
         """Mark a step's start (its verify pass is queued next): the end of the drafting before it."""
@@ -193,6 +200,11 @@ class ShapePolicy:
             if self.drafting is not None:
                 self.drafting.valid = False
 
+    def finish(self) -> None:
+        """At the end of a call: keep what its last steps measured (a drafting still open has no end)."""
+        if self.active:
+            self._digest()
+
     def _digest(self) -> None:
         """Fold the verified trees into the acceptance, and the phases that have passed into the costs."""
         m, D = self.memory, self.options.depth
@@ -216,13 +228,14 @@ class ShapePolicy:
     # ---- the choice ----
     def choose(self) -> tuple[int, int]:
         """(depth, budget) of the next proposal: the configured shape to probe; a verify bucket not timed yet with
-        its largest shape; else the most tokens per second among the shapes observed."""
+        its largest shape (up to ``EXPLORE_TRIES`` proposals); else the most tokens per second among the shapes
+        observed."""
         m, D = self.memory, self.options.depth
         whole = (D, self.options.budget)
         if not m.verify_seconds or m.since_probe >= self.probe:
             return whole
         for bucket in sorted(set(self.buckets.flatten().tolist()), reverse=True):
-            if bucket not in m.verify_seconds:
+            if bucket not in m.verify_seconds and m.explored.get(bucket, 0) < EXPLORE_TRIES:
                 d, b = max(zip(*torch.nonzero(self.buckets == bucket, as_tuple=True)),
                            key=lambda db: (self.nodes[db].item(), db[0].item()))
                 return int(d) + 1, self.budgets[int(b)]
@@ -231,10 +244,19 @@ class ShapePolicy:
         mean = m.accepted / m.count
         tokens = 1 + mean + ((m.squares / m.count - mean ** 2).clamp(min=0) / m.count).sqrt()
         cost = (torch.tensor([self.draft_cost(d) for d in range(1, D + 1)], dtype=torch.float64)[:, None]
-                + self.buckets.to(torch.float64).apply_(lambda b: m.verify_seconds[int(b)]))
+                + self.buckets.to(torch.float64).apply_(lambda b: self.verify_cost(int(b))))
         rate = torch.where(m.count > 0, tokens / cost, -1.0)
         d, b = divmod(int(rate.argmax()), len(self.budgets))
         return (d + 1, self.budgets[b]) if rate.max() > 0 else whole
+
+    def verify_cost(self, bucket: int) -> float:
+        """Seconds a step's verify pass and tail cost in ``bucket``: timed, else those of the nearest timed larger
+        bucket (else smaller): a bucket its trees never reach (pruned below it) is charged as its neighbour."""
+        known = self.memory.verify_seconds
+        if bucket in known:
+            return known[bucket]
+        larger = [b for b in known if b > bucket]
+        return known[min(larger)] if larger else known[max(known)]
 
     def draft_cost(self, depths: int) -> float:
         """Seconds drafting ``depths`` depths costs: timed, or interpolated between the nearest timed depths
