@@ -138,6 +138,19 @@ def test_a_bucket_the_trees_never_reach_is_tried_then_charged_as_its_neighbour()
     assert (Drafter.depth, Drafter.budget) == (1, 15)       # depth 1: 4 nodes, the 8-node bucket at 16's cost
 
 
+def test_a_proposal_of_no_depth_is_not_timed():
+    """One token short of the length limit nothing is drafted: no drafting cost of 0 depths to scale others by."""
+    policy = policy_with(ShapeMemory())
+
+    class Drafter:
+        depth = budget = None
+        launched_depths = 0
+    policy.launch(Drafter, policy.start(), 1, lambda: None)
+    policy.start()
+    policy.finish()
+    assert policy.memory.verify_seconds and not policy.memory.draft_seconds
+
+
 def test_draft_costs_interpolate_between_timed_depths():
     memory = ShapeMemory(draft_seconds={2: 0.2, 8: 0.8})
     policy = policy_with(memory)

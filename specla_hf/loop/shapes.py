@@ -185,7 +185,8 @@ class ShapePolicy:
         self.phases.append(_Phase((start, tail_end), self.memory.verify_seconds, tree_bucket(verified_nodes)))
         self.apply(drafter)
         launch()
-        self.drafting = _Phase((tail_end,), self.memory.draft_seconds, drafter.launched_depths)
+        depths = drafter.launched_depths        # none one token short of the length limit: nothing to time
+        self.drafting = _Phase((tail_end,), self.memory.draft_seconds, depths) if depths else None
 
     # ---- what the loop calls ----
     def observe(self, parents: torch.Tensor, scores: torch.Tensor, path: list[int], depths: int,
@@ -273,8 +274,3 @@ class ShapePolicy:
             return known[lo] + (known[hi] - known[lo]) * (depths - lo) / (hi - lo)
         nearest = max(below) if below else min(above)
         return known[nearest] * depths / nearest
-
-    def summary(self) -> str:
-        m = self.memory
-        costs = ", ".join(f"{b}: {s * 1e3:.2f}" for b, s in sorted(m.verify_seconds.items()))
-        return f"verify ms by bucket {{{costs}}}" if costs else ""
