@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from conftest import tiny_gdn
-from specla_hf.drafters.base import candidate_depths, select_tree_rows
+from specla_hf.drafters.base import candidate_count, candidate_depths, select_tree_rows
 from specla_hf.drafters.options import DraftOptions
-from specla_hf.loop.shapes import ShapeMemory, ShapePolicy, accepted_within, budgets, candidates
+from specla_hf.loop.shapes import ShapeMemory, ShapePolicy, accepted_within, budgets
 
 
 def drafted_candidates(K: int, D: int, gen: torch.Generator):
@@ -30,7 +30,7 @@ def drafted_candidates(K: int, D: int, gen: torch.Generator):
 def tree_of(score, token, parent, K: int, depths: int, n: int):
     """The tree of the ``n`` best candidates of depths ``1..depths`` (the drafter's selection): rows tokens,
     parents, scores with the root in column 0."""
-    C = candidates(DraftOptions(depth=depths, topk=K, budget=1), depths)
+    C = candidate_count(K, depths)
     rows = torch.zeros(3, n + 1, dtype=torch.float64)
     rows[1, 0] = -1
     select_tree_rows(score[:C], token[:C], parent[:C], candidate_depths(K, depths), n, rows)
@@ -55,7 +55,6 @@ def test_a_verified_tree_says_what_each_smaller_shape_accepts(seed):
     gen = torch.Generator().manual_seed(seed)
     K, D = int(torch.randint(2, 5, (), generator=gen)), int(torch.randint(2, 7, (), generator=gen))
     score, token, parent = drafted_candidates(K, D, gen)
-    opts = DraftOptions(depth=D, topk=K, budget=1)
     n = int(torch.randint(K, len(score) + 1, (), generator=gen))
     rows = tree_of(score, token, parent, K, D, n)
     # the target follows one drafted branch for a random length, then wants a token no child holds
@@ -67,7 +66,7 @@ def test_a_verified_tree_says_what_each_smaller_shape_accepts(seed):
     secret = branch[::-1][:int(torch.randint(0, D + 1, (), generator=gen))] + [99]
     path = accepted_path(rows, secret)
     sizes = sorted({3, 7, 15, n - 1, n, n + 4} - {0})
-    nodes = torch.tensor([[min(b, candidates(opts, d)) for b in sizes] for d in range(1, D + 1)])
+    nodes = torch.tensor([[min(b, candidate_count(K, d)) for b in sizes] for d in range(1, D + 1)])
     got, observed = accepted_within(rows[1].long(), rows[2], path, nodes)
     tree_depths = [0] * (n + 1)
     for i in range(1, n + 1):

@@ -83,7 +83,7 @@ class DraftBuffers:
         self.best = [HostCopy((1,), torch.float64, device) for _ in range(depth)]
         # the selected tree (``select_tree``): tokens, parents, cumulative log-probs; long copies feed the verify pass,
         # the float64 rows are read back to the host in one transfer
-        most = 1 + K + (depth - 1) * K * K                 # the root and every candidate
+        most = 1 + candidate_count(K, depth)                # the root and every candidate
         self.cand_depth = candidate_depths(K, depth).to(device)
         self.tree = torch.zeros(3, most, dtype=torch.float64, device=device)
         self.tree_tokens = torch.zeros(most, dtype=torch.long, device=device)
@@ -116,7 +116,7 @@ class DraftBuffers:
         """``select_tree_rows`` of every candidate of depths ``1..depths`` (no threshold) into ``tree``, on the device,
         in static shapes and without host synchronisation (it is captured as a CUDA graph); root = ``tokens[0]``."""
         K = self.topk
-        n = min(budget, K + (depths - 1) * K * K)
+        n = min(budget, candidate_count(K, depths))
         score, token, parent = self.candidates(depths).unbind(0)
         self.tree[0, :1] = self.tokens[:1]
         # fill_, not item assignment: assigning a Python number copies a host scalar tensor, which a capture refuses
@@ -141,6 +141,12 @@ class DraftBuffers:
     def verified_tree(self, n: int) -> DraftTree:
         """The tree of ``n`` nodes last kept by ``keep_verified`` (waits for the device)."""
         return _tree_of_rows(self.verified[:, :n].cpu())
+
+
+def candidate_count(topk: int, depths: int) -> int:
+    """Candidates of depths ``1..depths``: the root's ``topk`` children, then ``topk`` x ``topk`` a depth (``topk``
+    nodes expanded); no tree of that depth holds more nodes."""
+    return topk + (depths - 1) * topk * topk
 
 
 def candidate_depths(topk: int, depth: int) -> torch.Tensor:
@@ -289,7 +295,7 @@ class DynamicTreeDrafter:
         # record the F x K candidates, expand the K most confident (EAGLE-2): the next depth's frontier
         ops.expand_frontier(top_logp, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
                             b.cand[:, d - 1], b.tokens, b.parents, b.frontier_score[d], b.frontier_cand[d], n,
-                            0 if d == 1 else K + (d - 2) * K * K)
+                            0 if d == 1 else candidate_count(K, d - 1))
         self.add_nodes(n, b.parents[n:n + K])
         if d == 1 and root_consumed:
             b.parents[1:1 + K].fill_(-1)      # the root is in the committed state: its children hang off that
@@ -375,7 +381,7 @@ class DynamicTreeDrafter:
             K = self.options.topk
             self._run(("select", depths, budget), lambda: b.select_tree(depths, budget), "the tree selection")
             b.queue_tree()
-            selected = 1 + min(budget, K + (depths - 1) * K * K)
+            selected = 1 + min(budget, candidate_count(K, depths))
         self._launched = Launched(root, depths, budget, log_threshold, selected)
 
     @property

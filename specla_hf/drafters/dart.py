@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn as nn
 
+from specla_hf.drafters.base import candidate_count
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleBuffers, EagleDrafter, SpecLADrafter, SpecLADrafterConfig
 from specla_hf.drafters.ngram import bigram_logp
@@ -153,7 +154,7 @@ class DartDrafter(EagleDrafter):
         top_logp, top_token = self._children(b.depth_logp[d - 1], b.tokens[n - F:n], K)
         ops.expand_frontier(top_logp, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
                             b.cand[:, d - 1], b.tokens, b.parents, b.frontier_score[d], b.frontier_cand[d], n,
-                            0 if d == 1 else K + (d - 2) * K * K)
+                            0 if d == 1 else candidate_count(K, d - 1))
 
     def _children(self, logp: torch.Tensor, parents: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each frontier token's ``k`` best children under ``q`` (module docstring): log-probs and tokens

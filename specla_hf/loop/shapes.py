@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specla_hf.drafters.base import candidate_count
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.models.graphed import tree_bucket
 
@@ -50,13 +51,6 @@ def budgets(options: DraftOptions) -> list[int]:
         smaller.append(b - 1)
         b *= 2
     return smaller + [options.budget]
-
-
-def candidates(options: DraftOptions, depth: int) -> int:
-    """Candidates a proposal of ``depth`` depths has (``topk`` children of the root, then ``topk`` x ``topk`` a
-    depth): a tree of that depth holds no more nodes."""
-    K = options.topk
-    return K + (depth - 1) * K * K
 
 
 @dataclass
@@ -147,7 +141,8 @@ class ShapePolicy:
             memory.count, memory.accepted, memory.squares = (torch.zeros(D, B, dtype=torch.float64)
                                                              for _ in range(3))
         # the nodes and verify bucket of each shape
-        self.nodes = torch.tensor([[min(b, candidates(options, d)) for b in self.budgets] for d in range(1, D + 1)])
+        self.nodes = torch.tensor([[min(b, candidate_count(options.topk, d)) for b in self.budgets]
+                                   for d in range(1, D + 1)])
         self.buckets = self.nodes.add(1).apply_(tree_bucket)
         self.phases: list[_Phase] = []          # timed, not yet read
         self.drafting: _Phase | None = None     # the launched proposal's drafting, until the next step starts
