@@ -283,12 +283,13 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
             all_scores += step.scores[:added]
             all_logits += step.logits[:added]
         host_ids = kept
+        timed = captures() == captured            # a step that captured graphs says nothing of its cost
         if step.verified is not None:
-            shapes.observe(*step.verified, captured=captures() != captured)
+            shapes.observe(*step.verified, captured=not timed)
         if stop:
             break
-        if policy is not None and stats.mode == "speculative" and captures() == captured:
-            policy.observe(time.perf_counter() - t, added)     # (a step that captured graphs says nothing)
+        if policy is not None and stats.mode == "speculative" and timed:
+            policy.observe(time.perf_counter() - t, added)
             reason = policy.verdict()
             if reason is not None:
                 driver.finish()
