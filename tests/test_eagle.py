@@ -185,8 +185,11 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
     init = decode.DeviceDriver.__init__
     monkeypatch.setattr(decode.DeviceDriver, "__init__", lambda self, *a, **k: used.append(1) or init(self, *a, **k))
     ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
+    # the configured shape every step: the EOS run below must repeat this run's steps, which the shape policy's
+    # timing-dependent choices would not
+    tree = dict(tree=True, adaptive_drafting=False)
     free = target.generate(ids, max_new_tokens=48, do_sample=False)
-    assert torch.equal(target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter, tree=True),
+    assert torch.equal(target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter, **tree),
                        free) and used
     accepted = target.specla_stats.accepted
     # EOS = the second token of the last step that accepted >= block drafts and emitted it first (tokens after it in
@@ -198,7 +201,7 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
     assert first > starts[1]                                  # not the first step: the next proposal was queued
     plain = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=eos)
     spec = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=eos,
-                           assistant_model=drafter, tree=True)
+                           assistant_model=drafter, **tree)
     assert torch.equal(spec, plain) and spec.shape[1] == first + 2
     assert target.specla_stats.accepted[-1] >= block         # the stop fell inside a block of accepted drafts
 
