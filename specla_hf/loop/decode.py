@@ -12,14 +12,16 @@ acceptance runs:
 - ``DeviceDriver`` (plain greedy decoding, or sampling under row-wise processors such as temperature, top-k and top-p;
   the tree selected on the device; a drafter that catches up there): the acceptance (``greedy_accept`` or
   ``sample_accept``), the commit and the drafter's catch-up are one CUDA graph queued behind the verify
-  pass, and the next proposal is queued before the host reads the step's tokens, so the GPU drafts step ``i + 1``
-  while the host checks step ``i`` against the stopping criteria; step ``i + 1``'s verify pass is queued only after
-  that check, so nothing is verified past the stop.
+  pass, and the next proposal and its verify pass are queued before the host reads the step's tokens, so the GPU
+  drafts and verifies step ``i + 1`` while the host checks step ``i`` against the stopping criteria and the shape
+  and fallback policies take their measurements. A step that may reach the length limit queues no verify pass ahead;
+  one queued ahead of another stop (an EOS token, a stop string, the fallback) is discarded.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -47,6 +49,16 @@ class StepResult:
     # the verified tree (host parents, cumulative draft log-probs), its accepted path (root first) and the depths
     # drafted, for the shape policy (when it is on)
     verified: tuple[torch.Tensor, torch.Tensor, list[int], int] | None = None
+
+
+class _Verified(NamedTuple):
+    """A verify pass queued on the device: its step's start mark (``ShapePolicy.start``), the depths drafted, the
+    tree and the target's outputs."""
+    start: object
+    depths: int
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    out: object
 
 
 class HostDriver:
@@ -105,39 +117,51 @@ class HostDriver:
 
 class DeviceDriver:
     """The step with the acceptance, the commit and the drafter's catch-up on the device, in one CUDA graph per
-    verify graph (see module docstring). Greedy tokens equal the host driver's (``greedy_accept`` is
-    ``accept_path``), sampled ones follow the same law (``sample_accept``, under ``sampling``: row-wise logits
-    processors, each row of the tree processed alone); the drafter's catch-up runs as a chain verify, so drafts may
-    differ from the host driver's by rounding."""
+    verify graph, and the next verify pass queued before the host reads the step's tokens (see module docstring).
+    Greedy tokens equal the host driver's (``greedy_accept`` is ``accept_path``), sampled ones follow the same law
+    (``sample_accept``, under ``sampling``: row-wise logits processors, each row of the tree processed alone); the
+    drafter's catch-up runs as a chain verify, so drafts may differ from the host driver's by rounding."""
 
-    def __init__(self, target, drafter, cache, stats: SpecLAStats, shapes: ShapePolicy,
+    def __init__(self, target, drafter, cache, stats: SpecLAStats, shapes: ShapePolicy, max_length: int,
                  sampling: LogitsProcessorList | None = None):
         self.target, self.drafter, self.cache, self.stats, self.shapes = target, drafter, cache, stats, shapes
-        self.sampling = sampling
+        self.max_length, self.sampling = max_length, sampling
         self.rule = ("greedy",) if sampling is None else ("sampling", processor_key(sampling))
         self.cap = drafter.options.depth + 1
         self.readback = HostCopy((1 + 2 * self.cap,), torch.long, target.device)
         self.tree_readback = HostCopy(tuple(drafter.buffers.verified.shape), torch.float64, target.device)
         drafter.last_tree = None           # no host tree per step (nothing to calibrate against); set by ``finish``
         self.nodes = 0
+        self.queued: _Verified | None = None   # the launched proposal's verify pass, once queued
+
+    def _verify_launched(self) -> "_Verified":
+        """Queue the verify pass of the launched proposal (a new step starts)."""
+        start, depths = self.shapes.start(), self.drafter.launched_depths
+        tokens, parents = self.drafter.device_tree()
+        return _Verified(start, depths, tokens, parents,
+                         verify(self.target, self.cache, tokens, parents, self.drafter.feature_layers))
 
     def step(self, host_ids: torch.LongTensor) -> StepResult:
         drafter, stats, shapes = self.drafter, self.stats, self.shapes
-        t0, start, depths = time.perf_counter(), shapes.start(), drafter.launched_depths
-        tokens, parents = drafter.device_tree()
-        out = verify(self.target, self.cache, tokens, parents, drafter.feature_layers)
-        self.nodes = tokens.shape[1]
+        t0 = time.perf_counter()
+        step = self.queued if self.queued is not None else self._verify_launched()
+        self.queued = None
+        self.nodes = step.tokens.shape[1]
         with record_function("specla.accept"):
-            acc = self._tail(tokens, parents, out)        # acceptance, commit, the drafter's catch-up
+            acc = self._tail(step.tokens, step.parents, step.out)      # acceptance, commit, the drafter's catch-up
             self.readback.queue(acc.packed)
             if shapes.active:
                 self.tree_readback.queue(drafter.buffers.verified)
         t1 = time.perf_counter()
         with record_function("specla.launch"):
-            shapes.launch(drafter, start, self.nodes, drafter.launch_caught_up)
+            shapes.launch(drafter, step.start, self.nodes, drafter.launch_caught_up)
         t2 = time.perf_counter()
+        # ahead of this step's tokens unless they may reach the length limit: the host's work until the next step
+        # (stopping criteria, streamer, policies) then runs while the GPU verifies, not between drafting and verifying
+        if host_ids.shape[1] + self.cap < self.max_length:
+            self.queued = self._verify_launched()
         with record_function("specla.collect"):
-            length, *packed = self.readback.read().tolist()        # this step's tokens, while the GPU drafts
+            length, *packed = self.readback.read().tolist()        # this step's tokens, while the GPU goes on
         emitted = packed[:length]
         drafter.advance(len(emitted))
         drafter.observe(emitted[:-1])
@@ -146,10 +170,13 @@ class DeviceDriver:
         verified = None
         if shapes.active:
             rows = self.tree_readback.read()[:, :self.nodes]
-            verified = (rows[1].long(), rows[2], packed[self.cap:self.cap + length], depths)
+            verified = (rows[1].long(), rows[2], packed[self.cap:self.cap + length], step.depths)
         return StepResult(emitted, self.nodes - 1, len(emitted), verified=verified)
 
     def finish(self) -> None:
+        if self.queued is not None:          # verified ahead of a stop: its nodes are never committed
+            self.cache.discard()
+            self.queued = None
         self.drafter.last_tree = self.drafter.buffers.verified_tree(self.nodes)
 
     def _tail_step(self, tokens: torch.Tensor, parents: torch.Tensor, out) -> DeviceAcceptance:
@@ -262,7 +289,8 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         launch(drafter, host_ids, max_length, stats)
         on_device = plain or (do_sample and row_wise(logits_processor))
         if on_device and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
-            driver = DeviceDriver(target, drafter, cache, stats, shapes, logits_processor if do_sample else None)
+            driver = DeviceDriver(target, drafter, cache, stats, shapes, max_length,
+                                  logits_processor if do_sample else None)
             stats.acceptance = "device"
         else:
             driver = HostDriver(target, drafter, cache, stats, shapes, logits_processor, do_sample, max_length,
