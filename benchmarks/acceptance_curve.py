@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import specla_hf  # noqa: F401  (patches generate once fla is imported)
-from specla_hf.app.loading import load_models
+from specla_hf.app.loading import checkpoint_home, load_models
 from specla_hf.drafters.eagle import _BlockRunner
 from specla_hf.loop.autoregressive import autoregressive_decode
 from specla_hf.models import adapter_for
@@ -132,7 +132,7 @@ def main():
     torch.manual_seed(0)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     small = load_models(device=args.device, dtype=dtype)
-    dart = load_models(drafter=str(Path(specla_hf.__file__).parents[1] / "checkpoints" / "specla-gdn-tiny-dart"),
+    dart = load_models(drafter=str(checkpoint_home() / "specla-gdn-tiny-dart"),
                        device=args.device, dtype=dtype).drafter
     if args.shape == "1.3b":
         target, eagle = inflate_pair(small.target, small.drafter)
@@ -189,8 +189,10 @@ def main():
             f"{r['speedup_vs_graph_ar']:.2f}x graph AR ({r['mode']}, {r['draft_nodes']:.1f} nodes a step, "
             f"{r['graph_captures']} graph captures)")
 
-    def timed(target, ids_list, n, **kwargs):
+    def timed(target, ids_list, n, seed=None, **kwargs):
         run(target, ids_list[:1], n, **kwargs)     # untimed: graphs of the shapes this acceptance leads to
+        if seed is not None:
+            torch.manual_seed(seed)
         return run(target, ids_list, n, **kwargs)
 
     for method in args.methods.split(","):
@@ -213,11 +215,8 @@ def main():
         for method in args.methods.split(","):
             drafter, kw = METHODS[method]
             for fallback in ((False, True) if method == "tree" else (False,)):
-                run(target, ids_list[:1], n, do_sample=True, temperature=temp, assistant_model=drafters[drafter],
-                    autoregressive_fallback=fallback, **kw)
-                torch.manual_seed(1)
-                ms, stats = run(target, ids_list, n, do_sample=True, temperature=temp,
-                                assistant_model=drafters[drafter], autoregressive_fallback=fallback, **kw)
+                ms, stats = timed(target, ids_list, n, seed=1, do_sample=True, temperature=temp,
+                                  assistant_model=drafters[drafter], autoregressive_fallback=fallback, **kw)
                 record(method, 0.0, temp, ms, stats, fallback)
         (args.out / "acceptance_curve.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     plot(records, args.out / "acceptance_curve.png", meta)
