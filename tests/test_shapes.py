@@ -1,4 +1,6 @@
 """The proposal shape policy: what a smaller tree would have accepted, and which shape it picks from costs."""
+import time
+
 import pytest
 import torch
 
@@ -148,6 +150,31 @@ def test_a_proposal_of_no_depth_is_not_timed():
     policy.start()
     policy.finish()
     assert policy.memory.verify_seconds and not policy.memory.draft_seconds
+
+
+def test_a_phase_that_captured_graphs_is_not_timed():
+    """Each mark holds the capture count: a verify pass (with its tail) or a drafting during which a CUDA graph was
+    captured keeps no cost, whichever call of the loop the capture fell in; the phases around it keep theirs."""
+    captures = [0]
+    policy = ShapePolicy(DraftOptions(depth=2, topk=2, budget=3), ShapeMemory(), torch.device("cpu"),
+                         lambda: captures[0])
+
+    class Drafter:
+        depth = budget = None
+        launched_depths = 2
+    start = policy.start()
+    captures[0] += 1                                  # the verify pass or its tail captured
+    policy.launch(Drafter, start, 4, lambda: None)
+    start = policy.start()                            # the drafting captured nothing
+    policy.finish()
+    assert not policy.memory.verify_seconds and list(policy.memory.draft_seconds) == [2]
+    drafted = policy.memory.draft_seconds[2]
+    policy.launch(Drafter, start, 4, lambda: None)    # a verify pass that captured nothing
+    captures[0] += 1                                  # the next drafting captured
+    time.sleep(0.01)
+    policy.start()
+    policy.finish()
+    assert list(policy.memory.verify_seconds) == [4] and policy.memory.draft_seconds == {2: drafted}
 
 
 def test_draft_costs_interpolate_between_timed_depths():

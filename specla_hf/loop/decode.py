@@ -249,18 +249,18 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
     policy = shapes = None
+    graph_sets = [g for g in (target.graphs, getattr(getattr(drafter, "runner", None), "graphs", None)) if g]
+
+    def captures() -> int:
+        return sum(g.captures for g in graph_sets)
     if drafter is not None:
         memory = speculation_memory(target, drafter, logits_processor, do_sample)
-        shapes = ShapePolicy(drafter.options, memory.shapes, target.device)
+        shapes = ShapePolicy(drafter.options, memory.shapes, target.device, captures)
         if fallback:
             policy = FallbackPolicy(ar_step_seconds(target), memory.fallback)
             stats.mode_reason = policy.start_autoregressive() or ""
             if stats.mode_reason:
                 drafter = policy = shapes = None
-    graph_sets = [g for g in (target.graphs, getattr(getattr(drafter, "runner", None), "graphs", None)) if g]
-
-    def captures() -> int:
-        return sum(g.captures for g in graph_sets)
     captured_before = captures()
     # the sequence grows on the host: the stopping criteria, the streamer and the drafter read it there, and nothing
     # in a greedy step waits for the GPU but the draft and the verify results
@@ -311,12 +311,12 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
             all_scores += step.scores[:added]
             all_logits += step.logits[:added]
         host_ids = kept
-        timed = captures() == captured            # a step that captured graphs says nothing of its cost
         if step.verified is not None:
-            shapes.observe(*step.verified, captured=not timed)
+            shapes.observe(*step.verified)
         if stop:
             break
-        if policy is not None and stats.mode == "speculative" and timed:
+        # a step that captured graphs says nothing of its cost
+        if policy is not None and stats.mode == "speculative" and captures() == captured:
             policy.observe(time.perf_counter() - t, added)
             reason = policy.verdict()
             if reason is not None:

@@ -7,11 +7,13 @@ which shape pays best depends on the acceptance and on the device, so the loop m
 
 - **costs**: each step's phases are timed on the device's timeline (``PhaseClock``: CUDA events, read once they have
   passed; the wall clock on a CPU, which runs synchronously): the verify pass and the step's tail by verify bucket,
-  the drafting by depths drafted. A step that captured CUDA graphs is not timed. A verify bucket of the menu not
+  the drafting by depths drafted. A verify bucket of the menu not
   timed yet is tried with its largest shape (a few proposals at most: a confidence threshold may prune every tree
   below it, and it is then charged as the nearest timed larger bucket); drafting costs of depths not timed yet are
   interpolated. A step runs from its start to the next step's start, so time the GPU waits for the host is charged
-  to the drafting before the wait.
+  to the drafting before the wait. A phase during which CUDA graphs were captured is not timed (each mark holds the
+  adapters' capture count: the device loop queues a verify pass, which may capture, before the host reads the step
+  before it).
 - **acceptance**: one verified tree says what every smaller shape would have accepted (``accepted_within``). A tree
   is the best-scored candidates, so a tree of depth ``d`` and budget ``B`` holds a node of the accepted path iff fewer
   than ``B`` candidates of depth ``<= d`` outscore it, and those all sit in the verified tree. Decayed means per
@@ -28,6 +30,7 @@ verified.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -117,10 +120,9 @@ class PhaseClock:
 
 @dataclass
 class _Phase:
-    marks: tuple                # its start and end on the device's timeline
+    marks: tuple                # its start and end: (mark on the device's timeline, graph captures so far) each
     costs: dict                 # the ShapeMemory table it is timed into
     key: int                    # its entry there: the verify bucket, or the depths drafted
-    valid: bool = True          # False: its step captured CUDA graphs
 
 
 class ShapePolicy:
@@ -131,10 +133,12 @@ class ShapePolicy:
     time the GPU waits for the host is charged to the proposal it waited after. The verified trees are digested
     when the next proposal is launched, while the GPU verifies, not while the host holds the next step back."""
 
-    def __init__(self, options: DraftOptions, memory: ShapeMemory, device: torch.device, probe: int = 16):
+    def __init__(self, options: DraftOptions, memory: ShapeMemory, device: torch.device,
+                 captures: Callable[[], int] = lambda: 0, probe: int = 16):
         self.options, self.memory, self.probe = options, memory, probe
         self.active = options.adaptive
         self.clock = PhaseClock(device)
+        self.captures = captures             # graph captures so far, by the adapters of this call
         self.budgets = budgets(options)
         D, B = options.depth, len(self.budgets)
         if memory.count is None or memory.count.shape != (D, B):
@@ -162,7 +166,7 @@ class ShapePolicy:
         """Mark a step's start (its verify pass is queued next): the end of the drafting before it."""
         if not self.active:
             return None
-        mark = self.clock.mark()
+        mark = self._mark()
         if self.drafting is not None:
             self.drafting.marks += (mark,)
             self.phases.append(self.drafting)
@@ -175,26 +179,22 @@ class ShapePolicy:
         if not self.active:
             launch()
             return
-        tail_end = self.clock.mark()
-        self._digest()               # before this step's phase: ``observe`` has not said yet whether it captured
+        tail_end = self._mark()
+        self._digest()
         self.phases.append(_Phase((start, tail_end), self.memory.verify_seconds, tree_bucket(verified_nodes)))
         self.apply(drafter)
         launch()
         depths = drafter.launched_depths        # none one token short of the length limit: nothing to time
         self.drafting = _Phase((tail_end,), self.memory.draft_seconds, depths) if depths else None
 
+    def _mark(self) -> tuple:
+        return self.clock.mark(), self.captures()
+
     # ---- what the loop calls ----
-    def observe(self, parents: torch.Tensor, scores: torch.Tensor, path: list[int], depths: int,
-                captured: bool) -> None:
-        """A verified tree (host tensors), its accepted path and drafted depths; ``captured``: the step captured CUDA
-        graphs (in its verify pass, its tail or the next drafting), so neither phase is timed."""
-        if not self.active:
-            return
-        self.verified.append((parents, scores, path, depths))
-        if captured:
-            self.phases[-1].valid = False
-            if self.drafting is not None:
-                self.drafting.valid = False
+    def observe(self, parents: torch.Tensor, scores: torch.Tensor, path: list[int], depths: int) -> None:
+        """A verified tree (host tensors), its accepted path and drafted depths."""
+        if self.active:
+            self.verified.append((parents, scores, path, depths))
 
     def finish(self) -> None:
         """At the end of a call: keep what its last steps measured (a drafting still open has no end)."""
@@ -215,11 +215,13 @@ class ShapePolicy:
             m.accepted[seen] = m.accepted[seen] * DECAY + accepted[seen]
             m.squares[seen] = m.squares[seen] * DECAY + accepted[seen] ** 2
         self.verified.clear()
-        while self.phases and self.clock.passed(self.phases[0].marks[-1]):
+        while self.phases and self.clock.passed(self.phases[0].marks[-1][0]):
             phase = self.phases.pop(0)
-            if phase.valid:
-                seconds, costs, key = self.clock.seconds(*phase.marks), phase.costs, phase.key
+            (start, captures_before), (end, captures_after) = phase.marks
+            if captures_before == captures_after:
+                seconds, costs, key = self.clock.seconds(start, end), phase.costs, phase.key
                 costs[key] = seconds if key not in costs else (1 - COST_EMA) * costs[key] + COST_EMA * seconds
+
 
     # ---- the choice ----
     def choose(self) -> tuple[int, int]:
