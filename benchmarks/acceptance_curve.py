@@ -8,7 +8,8 @@ calls, so its top-k changes and its confidences stay those of a real softmax. Sa
 lowers tau without noise. Every speculative point is measured with the fallback to autoregressive decoding off (what
 speculation itself costs) and, for the default tree, on (what a user gets by default). ``tree`` chooses each
 proposal's shape (``loop.shapes``), ``tree_fixed`` drafts the configured 8 / 4 / 63 every step; every point is run
-once untimed first, so that the shapes its acceptance leads to have their graphs captured.
+once untimed over all its prompts first, so that the shapes its acceptance leads the policy to have their graphs
+captured (a capture costs up to ~0.1 s; each record counts the captures its timed calls still made).
 
     python benchmarks/acceptance_curve.py --eval-dir data/eval --out $OUT
 
@@ -190,7 +191,7 @@ def main():
             f"{r['graph_captures']} graph captures)")
 
     def timed(target, ids_list, n, seed=None, **kwargs):
-        run(target, ids_list[:1], n, **kwargs)     # untimed: graphs of the shapes this acceptance leads to
+        run(target, ids_list, n, **kwargs)     # untimed: graphs of the shapes this acceptance leads the policy to
         if seed is not None:
             torch.manual_seed(seed)
         return run(target, ids_list, n, **kwargs)

@@ -316,27 +316,29 @@ def test_gdn_drafter_takes_the_device_loop(target, bad_drafter, tree, monkeypatc
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))])
-def test_device_loop_verifies_ahead_and_discards_what_a_stop_leaves(target, device):
+def test_device_loop_verifies_ahead_and_discards_what_a_stop_leaves(target, device, monkeypatch):
     """The device loop queues each next verify pass before the host reads a step's tokens, except where the step may
     reach the length limit: a call stopped by its length verifies once per step; a call stopped by a criterion the
     loop cannot foresee verifies once more and discards that pass (nothing pending) and emits exactly the first
     call's tokens up to the stop; on a CPU both equal plain decoding. On a GPU the verify passes, the step tails and
     the drafting are graph replays; the drafter's perfect copy and the configured shape make the two calls' steps
     the same."""
+    from specla_hf.loop import decode
     model = copy.deepcopy(target).to(device)
+    drafter_model = copy.deepcopy(model)            # copied before the target's runner fuses its weights
     runner, caches, verified = GDNRunner(model), [], []
     assert (runner.graphs is not None) == (device == "cuda")
-    new_cache, forward = runner.new_cache, runner.forward
+    new_cache, verify = runner.new_cache, decode.verify
     runner.new_cache = lambda *args: caches.append(new_cache(*args)) or caches[-1]
-    runner.forward = lambda *a, parents=None, **k: verified.append(parents is not None) or forward(*a, parents=parents,
-                                                                                                     **k)
+    # the loop's verify passes (a graphed runner consumes a prompt as verified chains too)
+    monkeypatch.setattr(decode, "verify", lambda *a: verified.append(1) or verify(*a))
     ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(9)).to(device)
     stop_at = ids.shape[1] + 17
 
     class StopAtLength(StoppingCriteria):        # fires where the loop's own length limit does not
         def __call__(self, input_ids, scores, **kwargs):
             return torch.full((1,), input_ids.shape[1] >= stop_at, device=input_ids.device)
-    drafter_model, outputs = copy.deepcopy(model), []
+    outputs = []
     options = draft_options(tree=True, confidence_threshold=0.0, adaptive_drafting=False)
     for criteria, ahead in ((MaxLengthCriteria(ids.shape[1] + 40), 0), (StopAtLength(), 1)):
         verified.clear()
