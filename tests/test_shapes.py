@@ -177,6 +177,22 @@ def test_a_phase_that_captured_graphs_is_not_timed():
     assert list(policy.memory.verify_seconds) == [4] and policy.memory.draft_seconds == {2: drafted}
 
 
+def test_a_drafting_whose_verify_pass_waits_for_the_host_is_not_timed():
+    """Near the length limit the device loop queues the next verify pass only after reading the step: the time to it
+    is the host's, not the drafting's (the verify phase is still timed)."""
+    policy = ShapePolicy(DraftOptions(depth=2, topk=2, budget=3), ShapeMemory(), torch.device("cpu"))
+
+    class Drafter:
+        depth = budget = None
+        launched_depths = 2
+    policy.launch(Drafter, policy.start(), 4, lambda: None)
+    policy.untime_drafting()
+    time.sleep(0.01)
+    policy.start()
+    policy.finish()
+    assert list(policy.memory.verify_seconds) == [4] and not policy.memory.draft_seconds
+
+
 def test_draft_costs_interpolate_between_timed_depths():
     memory = ShapeMemory(draft_seconds={2: 0.2, 8: 0.8})
     policy = policy_with(memory)

@@ -160,6 +160,8 @@ class DeviceDriver:
         # (stopping criteria, streamer, policies) then runs while the GPU verifies, not between drafting and verifying
         if host_ids.shape[1] + self.cap < self.max_length:
             self.queued = self._verify_launched()
+        else:
+            shapes.untime_drafting()
         with record_function("specla.collect"):
             length, *packed = self.readback.read().tolist()        # this step's tokens, while the GPU goes on
         emitted = packed[:length]

@@ -11,7 +11,8 @@ which shape pays best depends on the acceptance and on the device, so the loop m
   timed yet is tried with its largest shape (a few proposals at most: a confidence threshold may prune every tree
   below it, and it is then charged as the nearest timed larger bucket); drafting costs of depths not timed yet are
   interpolated. A step runs from its start to the next step's start, so time the GPU waits for the host is charged
-  to the drafting before the wait. A phase during which CUDA graphs were captured is not timed (each mark holds the
+  to the drafting before the wait, except where the loop holds a verify pass back on purpose (near the length
+  limit). A phase during which CUDA graphs were captured is not timed (each mark holds the
   adapters' capture count: the device loop queues a verify pass, which may capture, before the host reads the step
   before it).
 - **acceptance**: one verified tree says what every smaller shape would have accepted (``accepted_within``). A tree
@@ -186,6 +187,11 @@ class ShapePolicy:
         launch()
         depths = drafter.launched_depths        # none one token short of the length limit: nothing to time
         self.drafting = _Phase((tail_end,), self.memory.draft_seconds, depths) if depths else None
+
+    def untime_drafting(self) -> None:
+        """The launched proposal's verify pass waits for the host (the device loop queues none ahead of a step that
+        may reach the length limit): the time to it is not the drafting's."""
+        self.drafting = None
 
     def _mark(self) -> tuple:
         return self.clock.mark(), self.captures()
