@@ -199,6 +199,9 @@ def test_draft_costs_interpolate_between_timed_depths():
     assert policy.draft_cost(5) == pytest.approx(0.5)
     assert policy.draft_cost(1) == pytest.approx(0.1)
     assert policy.draft_cost(8) == 0.8
+    # a chance-slow timing of a shallower depth is capped by a deeper one (its drafting includes the shallower's)
+    policy = policy_with(ShapeMemory(draft_seconds={1: 0.1, 3: 10.0, 6: 0.6}))
+    assert policy.draft_cost(3) == 0.6 and policy.draft_cost(2) == pytest.approx(0.35)
 
 
 def test_generate_moves_the_shape_and_measures_each_bucket(bad_drafter):

@@ -264,8 +264,11 @@ class ShapePolicy:
 
     def draft_cost(self, depths: int) -> float:
         """Seconds drafting ``depths`` depths costs: timed, or interpolated between the nearest timed depths
-        (proportional beyond them)."""
-        known = self.memory.draft_seconds
+        (proportional beyond them). Drafting fewer depths is the start of drafting more, so no depth costs more than
+        a deeper timed one: a chance-slow timing of a depth, which the policy would then avoid and never time again,
+        does not stand as its cost."""
+        timed = self.memory.draft_seconds
+        known = {d: min(c for e, c in timed.items() if e >= d) for d in timed}
         if depths in known:
             return known[depths]
         if not known:
