@@ -14,6 +14,12 @@ from specla_hf.models import adapter_for
 from test_cuda_graphs import emulate_graphs
 
 
+def ar_seconds(monkeypatch, seconds: float) -> None:
+    """Make the autoregressive step measure ``seconds`` under every sampling rule."""
+    from specla_hf.loop import decode
+    monkeypatch.setattr(decode, "ar_step_seconds", lambda *args: seconds)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_autoregressive_loop_equals_stock_generate(graphs):
     """Greedy (the pipelined one-call-per-token path, with emulated CUDA graphs too), a logits processor, scores,
@@ -58,45 +64,47 @@ def test_sampled_autoregressive_step_on_cuda_draws_as_stock():
     assert [k for k in adapter_for(model).graphs.calls if k[0] == "ar step" and len(k) > 1]
 
 
-def test_speculation_that_does_not_pay_falls_back_losslessly(bad_drafter):
+def test_speculation_that_does_not_pay_falls_back_losslessly(bad_drafter, monkeypatch):
     """With the autoregressive step measured as (nearly) free, the loop falls back after the policy's warm-up steps and
     says why; measured as (nearly) endless, it speculates to the end. Output equals plain decoding either way."""
     model = tiny_gdn(seed=72)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(72))
     plain = model.generate(ids, max_new_tokens=40, do_sample=False)
-    target = adapter_for(model)
-    for ar_seconds, mode in ((1e-9, "autoregressive"), (1e9, "speculative")):
-        target.ar_step_seconds = ar_seconds
+    for seconds, mode in ((1e-9, "autoregressive"), (1e9, "speculative")):
+        ar_seconds(monkeypatch, seconds)
         for tree in (False, True):
             spec = model.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=bad_drafter, tree=tree,
                                   confidence_threshold=0.0, autoregressive_fallback=True)
             stats = model.specla_stats
-            assert torch.equal(spec, plain) and stats.mode == mode, (ar_seconds, tree)
-            warmup = FallbackPolicy(ar_seconds).warmup
+            assert torch.equal(spec, plain) and stats.mode == mode, (seconds, tree)
+            warmup = FallbackPolicy(seconds).warmup
             if mode == "autoregressive":
                 assert stats.speculative_steps == warmup and stats.steps > warmup
                 assert stats.mode_reason.startswith(f"fell back after {warmup} speculative steps: speculation cost")
             else:
                 assert stats.speculative_steps == stats.steps and "autoregressive step" in stats.mode_reason
     # sampling falls back the same way, through the processors
-    target.ar_step_seconds = 1e-9
+    ar_seconds(monkeypatch, 1e-9)
     torch.manual_seed(0)
     out = model.generate(ids, max_new_tokens=30, do_sample=True, temperature=0.8, assistant_model=bad_drafter,
                          autoregressive_fallback=True)
     assert out.shape == (1, 36) and model.specla_stats.mode == "autoregressive"
 
 
-def test_the_autoregressive_step_is_measured_once_per_adapter():
+def test_the_autoregressive_step_is_measured_once_per_adapter_and_sampling_rule():
+    """The fallback compares speculation with the step it would run: greedy, or the sampled step of the call's
+    row-wise processors; each is measured once per adapter."""
     model = tiny_gdn(seed=73)
     target = adapter_for(model)
-    target.ar_step_seconds = None
-    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=5, do_sample=False, assistant_model=tiny_gdn(seed=73),
-                   autoregressive_fallback=True)
-    measured = target.ar_step_seconds
-    assert measured is not None and 0 < measured < 1.0
-    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=5, do_sample=False, assistant_model=tiny_gdn(seed=73),
-                   autoregressive_fallback=True)
-    assert target.ar_step_seconds == measured
+    ids = torch.tensor([[3, 4, 5]])
+    calls = [dict(do_sample=False), dict(do_sample=True, temperature=0.8), dict(do_sample=False),
+             dict(do_sample=True, temperature=0.8)]
+    for call in calls:
+        model.generate(ids, max_new_tokens=5, assistant_model=tiny_gdn(seed=73), autoregressive_fallback=True, **call)
+        if call is calls[1]:
+            measured = dict(target._ar_step_seconds)
+    assert target._ar_step_seconds == measured and len(measured) == 2
+    assert all(0 < s < 1.0 for s in measured.values())
 
 
 def test_policy_judges_recent_steps_by_their_median():
@@ -124,12 +132,12 @@ def modes(model, drafter, ids, calls: int, **kwargs) -> list[str]:
     return seen
 
 
-def test_a_call_after_a_fallback_starts_autoregressive_and_says_why(bad_drafter):
+def test_a_call_after_a_fallback_starts_autoregressive_and_says_why(bad_drafter, monkeypatch):
     """Once a call fell back, the next call with the same drafter and settings decodes autoregressively from its
     first step (no warm-up steps), says why and when it speculates again, and still equals plain decoding; the
     re-probe after it judges by one fresh step plus the remembered ones."""
     model = tiny_gdn(seed=74)
-    adapter_for(model).ar_step_seconds = 1e-9
+    ar_seconds(monkeypatch, 1e-9)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(74))
     assert modes(model, bad_drafter, ids, 1) == ["fell back after 4"]
     assert modes(model, bad_drafter, ids, 1) == ["ar"]
@@ -147,12 +155,12 @@ def test_a_call_after_a_fallback_starts_autoregressive_and_says_why(bad_drafter)
     assert modes(model, bad_drafter, ids, 2) == ["ar", "fell back after 1"]
 
 
-def test_the_memory_is_kept_per_drafter_draft_shape_and_sampling_rule(bad_drafter):
+def test_the_memory_is_kept_per_drafter_draft_shape_and_sampling_rule(bad_drafter, monkeypatch):
     """A fallback with one drafter and settings is not inherited by another drafter, another draft shape or other
     sampling settings (each pays its own warm-up), and ``clear_speculation_memory`` forgets it."""
     model = tiny_gdn(seed=75)
     target = adapter_for(model)
-    target.ar_step_seconds = 1e-9
+    ar_seconds(monkeypatch, 1e-9)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(75))
     assert modes(model, bad_drafter, ids, 1) == ["fell back after 4"]
     assert modes(model, tiny_gdn(seed=76, hidden=32, layers=1), ids, 1) == ["fell back after 4"]
@@ -166,18 +174,17 @@ def test_the_memory_is_kept_per_drafter_draft_shape_and_sampling_rule(bad_drafte
     assert modes(model, bad_drafter, ids, 1) == ["fell back after 4"]
 
 
-def test_the_back_off_doubles_and_speculation_that_pays_resets_it(bad_drafter):
+def test_the_back_off_doubles_and_speculation_that_pays_resets_it(bad_drafter, monkeypatch):
     """Autoregressive calls between re-probes: 1, 2, 4; then with the autoregressive step measured as (nearly)
     endless, speculation pays at once and is kept to the end, which resets the back-off to 1 call."""
     model = tiny_gdn(seed=77)
-    target = adapter_for(model)
-    target.ar_step_seconds = 1e-9
+    ar_seconds(monkeypatch, 1e-9)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(77))
     probe = ["fell back after 1"]
     assert modes(model, bad_drafter, ids, 10) == ["fell back after 4", "ar", *probe, "ar", "ar", *probe, *["ar"] * 4]
-    target.ar_step_seconds = 1e9
+    ar_seconds(monkeypatch, 1e9)
     assert modes(model, bad_drafter, ids, 1) == ["speculated"]
-    target.ar_step_seconds = 1e-9
+    ar_seconds(monkeypatch, 1e-9)
     assert modes(model, bad_drafter, ids, 3) == [*probe, "ar", *probe]
 
 

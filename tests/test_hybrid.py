@@ -403,21 +403,19 @@ def test_past_key_values_equal_plain(family):
     _assert_same_transformers_cache(spec.past_key_values, plain.past_key_values)
 
 
-def test_autoregressive_loop_and_fallback_equal_plain(target, drafters):
+def test_autoregressive_loop_and_fallback_equal_plain(target, drafters, monkeypatch):
     """``generate(specla=True)`` (SpecLA's autoregressive loop through the adapter) and a fallback to it mid-call
     decode what plain decoding does."""
+    from specla_hf.loop import decode
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
     for kwargs in (dict(), dict(repetition_penalty=1.3)):
         plain = target.generate(ids, max_new_tokens=16, do_sample=False, **kwargs)
         assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False, specla=True, **kwargs), plain)
     plain = target.generate(ids, max_new_tokens=24, do_sample=False)
-    runner = adapter_for(target)
-    runner.ar_step_seconds = 1e-9                      # every speculative step looks slower: fall back
-    try:
-        spec = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafters["perturbed"],
-                               tree=True, confidence_threshold=0.0, autoregressive_fallback=True)
-    finally:
-        runner.ar_step_seconds = None
+    # every speculative step looks slower: fall back
+    monkeypatch.setattr(decode, "ar_step_seconds", lambda *args: 1e-9)
+    spec = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafters["perturbed"],
+                           tree=True, confidence_threshold=0.0, autoregressive_fallback=True)
     assert torch.equal(spec, plain) and target.specla_stats.mode == "autoregressive"
 
 

@@ -25,10 +25,15 @@ class ARStep:
 
     def __init__(self, target, cache, sampling: LogitsProcessorList | None = None):
         self.target, self.cache, self.sampling = target, cache, sampling
-        self.key = ("ar step",) if sampling is None else ("ar step", processor_key(sampling))
+        self.key = self.key_for(sampling)
         graphs = target.graphs
         make = lambda: torch.zeros(1, 1, dtype=torch.long, device=target.device)   # noqa: E731
         self.token = make() if graphs is None else graphs.static(("ar token",), make)
+
+    @staticmethod
+    def key_for(sampling: LogitsProcessorList | None) -> tuple:
+        """The captured call's key: one per sampling rule."""
+        return ("ar step",) if sampling is None else ("ar step", processor_key(sampling))
 
     def _advance(self) -> None:
         logits = self.target.compute(self.token, self.cache, None, slice(-1, None), ()).logits[:, -1]
@@ -83,11 +88,15 @@ def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def ar_step_seconds(target) -> float:
-    """The adapter's autoregressive step time, measured once per adapter (per model, device and dtype)."""
-    if getattr(target, "ar_step_seconds", None) is None:
-        target.ar_step_seconds = ARStep(target, target.new_cache(1)).seconds()
-    return target.ar_step_seconds
+def ar_step_seconds(target, sampling: LogitsProcessorList | None = None) -> float:
+    """The adapter's autoregressive step time, greedy or under row-wise ``sampling`` (the step a fallback runs: a
+    sampled step draws inside its graph and costs more), measured once per adapter (per model, device and dtype) and
+    rule."""
+    measured = target.__dict__.setdefault("_ar_step_seconds", {})
+    key = ARStep.key_for(sampling)
+    if key not in measured:
+        measured[key] = ARStep(target, target.new_cache(1), sampling).seconds()
+    return measured[key]
 
 
 class ARDriver:

@@ -259,7 +259,8 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         memory = speculation_memory(target, drafter, logits_processor, do_sample)
         shapes = ShapePolicy(drafter.options, memory.shapes, target.device, captures)
         if fallback:
-            policy = FallbackPolicy(ar_step_seconds(target), memory.fallback)
+            sampled = do_sample and row_wise(logits_processor)       # else the fallback runs a host-side step
+            policy = FallbackPolicy(ar_step_seconds(target, logits_processor if sampled else None), memory.fallback)
             stats.mode_reason = policy.start_autoregressive() or ""
             if stats.mode_reason:
                 drafter = policy = shapes = None
