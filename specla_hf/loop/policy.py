@@ -4,9 +4,9 @@
 A speculative step costs a proposal and a verify pass; it pays only when it keeps more tokens than an autoregressive
 step could produce in the same time. Both sides are measured on the device that runs: the adapter's autoregressive
 step once per sampling rule (``loop.autoregressive.ar_step_seconds``: a sampled step costs more than a greedy one),
-each speculative step as it runs, with the tokens it kept (a step
-that captured CUDA graphs is not observed). Speculation loses when its recent steps (the last ``window``) cost more
-per kept token than the autoregressive step; lossless either way, since both modes decode the target.
+each speculative step as it runs, with the tokens it kept (a step that captured CUDA graphs is not observed).
+Speculation loses when its recent steps (the last ``window``) cost more per kept token than the autoregressive step;
+lossless either way, since both modes decode the target.
 
 The recent steps outlive the call: the target's adapter keeps one ``SpeculationMemory`` (this fallback memory and the
 proposal shapes' costs and acceptance, ``loop.shapes``) per drafter (its adapter), drafter kind, draft options and
