@@ -51,7 +51,7 @@ class StepResult:
     verified: tuple[torch.Tensor, torch.Tensor, list[int], int] | None = None
 
 
-class _Verified(NamedTuple):
+class _QueuedVerify(NamedTuple):
     """A verify pass queued on the device: its step's start mark (``ShapePolicy.start``), the depths drafted, the
     tree and the target's outputs."""
     start: object
@@ -132,13 +132,13 @@ class DeviceDriver:
         self.tree_readback = HostCopy(tuple(drafter.buffers.verified.shape), torch.float64, target.device)
         drafter.last_tree = None           # no host tree per step (nothing to calibrate against); set by ``finish``
         self.nodes = 0
-        self.queued: _Verified | None = None   # the launched proposal's verify pass, once queued
+        self.queued: _QueuedVerify | None = None   # the launched proposal's verify pass, once queued
 
-    def _verify_launched(self) -> "_Verified":
+    def _verify_launched(self) -> "_QueuedVerify":
         """Queue the verify pass of the launched proposal (a new step starts)."""
         start, depths = self.shapes.start(), self.drafter.launched_depths
         tokens, parents = self.drafter.device_tree()
-        return _Verified(start, depths, tokens, parents,
+        return _QueuedVerify(start, depths, tokens, parents,
                          verify(self.target, self.cache, tokens, parents, self.drafter.feature_layers))
 
     def step(self, host_ids: torch.LongTensor) -> StepResult:
@@ -251,6 +251,8 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     stats, all_scores, all_logits = SpecLAStats(), [], []
     start = time.perf_counter()
     policy = shapes = None
+    # sampling under processors that treat each row alone runs on the device, in the speculative and the AR step
+    sampled_on_device = do_sample and row_wise(logits_processor)
     graph_sets = [g for g in (target.graphs, getattr(getattr(drafter, "runner", None), "graphs", None)) if g]
 
     def captures() -> int:
@@ -259,8 +261,10 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
         memory = speculation_memory(target, drafter, logits_processor, do_sample)
         shapes = ShapePolicy(drafter.options, memory.shapes, target.device, captures)
         if fallback:
-            sampled = do_sample and row_wise(logits_processor)       # else the fallback runs a host-side step
-            policy = FallbackPolicy(ar_step_seconds(target, logits_processor if sampled else None), memory.fallback)
+            # the AR step the fallback runs: greedy or sampled on the device (other processors run a host-side step,
+            # slower than either)
+            ar_seconds = ar_step_seconds(target, logits_processor if sampled_on_device else None)
+            policy = FallbackPolicy(ar_seconds, memory.fallback)
             stats.mode_reason = policy.start_autoregressive() or ""
             if stats.mode_reason:
                 drafter = policy = shapes = None
@@ -290,8 +294,8 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     else:
         shapes.apply(drafter)
         launch(drafter, host_ids, max_length, stats)
-        on_device = plain or (do_sample and row_wise(logits_processor))
-        if on_device and not keep_scores and drafter.catches_up_on_device and drafter.device_tree() is not None:
+        on_device = (plain or sampled_on_device) and not keep_scores
+        if on_device and drafter.catches_up_on_device and drafter.device_tree() is not None:
             driver = DeviceDriver(target, drafter, cache, stats, shapes, max_length,
                                   logits_processor if do_sample else None)
             stats.acceptance = "device"
