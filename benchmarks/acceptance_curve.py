@@ -83,6 +83,12 @@ def log_shape_costs(target) -> None:
                 f"{costs[1]}")
 
 
+def speculation_counts(stats: list) -> dict:
+    """What the calls' speculative steps drafted (mean draft nodes a step) and how many graphs the calls captured."""
+    return dict(graph_captures=sum(s.graph_captures for s in stats),
+                draft_nodes=statistics.mean([n for s in stats for n in s.draft_nodes[:s.speculative_steps]] or [0]))
+
+
 def prompts(eval_dir: Path, per_set: int) -> list[str]:
     out = []
     for file, field in SETS.values():
@@ -182,9 +188,7 @@ def main():
                             ms_per_token=ms, graph_ar_ms_per_token=base, speedup_vs_graph_ar=base / ms,
                             stock_ms_per_token=stock_ms, speedup_vs_stock=stock_ms / ms,
                             mode=sorted({s.mode for s in stats}), acceptance=sorted({s.acceptance for s in stats}),
-                            graph_captures=sum(s.graph_captures for s in stats),
-                            draft_nodes=statistics.mean(x for s in stats for x in s.draft_nodes[:s.speculative_steps]
-                                                        or [0])))
+                            **speculation_counts(stats)))
         r = records[-1]
         log(f"{r['method']:<34} noise {noise_scale:<4} T {temperature} tau {r['tau']:.2f} {ms:.3f} ms/token "
             f"{r['speedup_vs_graph_ar']:.2f}x graph AR ({r['mode']}, {r['draft_nodes']:.1f} nodes a step, "

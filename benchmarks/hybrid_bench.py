@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import specla_hf
-from acceptance_curve import log, log_shape_costs, prompts, run
+from acceptance_curve import log, log_shape_costs, prompts, run, speculation_counts
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
 from specla_kernels import tuning
@@ -229,8 +228,7 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                             ms, stats = ms + one / len(ids_list), stats + one_stats
                     records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
                                         ms_per_token=ms, mode=sorted({s.mode for s in stats}),
-                                        graph_captures=sum(s.graph_captures for s in stats),
-                                        draft_nodes=statistics.mean(n for s in stats for n in s.draft_nodes or [0])))
+                                        **speculation_counts(stats)))
                     if profile_dir is not None and method == "tree" and noises and noise == noises[-1]:
                         profile_call(target, ids_list[-1], n_new, profile_dir / f"profile_tree_{shape}.txt",
                                      assistant_model=drafter, **kw)
