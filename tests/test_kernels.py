@@ -731,6 +731,63 @@ def test_gemv_split_k_matches_reference(device, dtype):
     with pytest.raises(ValueError, match="multiple of its head size"):
         gemv(o_w, o_x, norm=(head_w, 1e-5), gate=gate, split=hd // 2)
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_gemm_matches_reference(device, dtype):
+    """The verify pass's fused products against ``fused_gemm_ref`` (``gemv_ref`` row by row) for 1 to 64 rows (padded
+    to 16, 32, 64): input projection (norm), output projection (gated head norm, x and gate strided column slices of
+    one projection), gate|up (residual add and norm, the sum written out), down (SwiGLU, residual), an odd-row plain
+    product; each with the whole row in one program and in K slices summed by the last program (twice: the counters
+    re-arm, the in-order sum gives the same bits)."""
+    from specla_kernels.fused_gemm import MAX_ROWS, fused_gemm
+    s = GEMV_SHAPES[device]
+    gen = seeded(dtype, 'fused_gemm')
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(device, dtype)  # noqa: E731
+    hid, hd, inter = s["hidden"], s["head_dim"], s["inter"]
+    vd = s["heads"] * hd
+    norm_w, head_w = rnd(hid).abs() + 0.5, rnd(hd).abs() + 0.5
+    weights = dict(in_proj=rnd(s["proj"], hid, scale=hid ** -0.5), o_proj=rnd(hid, vd, scale=vd ** -0.5),
+                   gate_up=rnd(2 * inter, hid, scale=hid ** -0.5), down=rnd(hid, inter, scale=inter ** -0.5),
+                   plain=rnd(s["vocab"], inter))
+    # the interpreter's default launch slices K; on CUDA the tuned launch and two fixed ones
+    whole = dict(BN=16, BK=max(16, hd), KS=0) if device == "cpu" else dict(BN=32, BK=512, KS=0, num_stages=2)
+    sliced = dict(BN=32, BK=max(16, hd), KS=2 * max(16, hd), num_stages=2)
+    tol = 2 * TOL[dtype] if device == "cpu" else TOL[dtype]
+    for M in (1, 5, 19, 37) if device == "cpu" else (1, 16, 37, MAX_ROWS):
+        h, res, down_res = rnd(M, hid), rnd(M, hid), rnd(M, hid)
+        projected = rnd(M, 2 * vd + 5)                   # o and its gate: column slices of one projection's rows
+        cases = {"in_proj": (h, dict(norm=(norm_w, 1e-6))),
+                 "o_proj": (projected[:, :vd], dict(norm=(head_w, 1e-5), gate=projected[:, vd + 5:])),
+                 "gate_up": (h, dict(norm=(norm_w, 1e-6), add=res)),
+                 "down": (rnd(M, 2 * inter), dict(swiglu=True, residual=down_res)),
+                 "plain": (rnd(M, inter), {})}
+        for name, (x, fused) in cases.items():
+            runs = {}
+            for variant, fn, extra in [("reference", ref.fused_gemm_ref, {}), ("default", fused_gemm, {}),
+                                       ("whole rows", fused_gemm, dict(config=whole)),
+                                       ("K slices", fused_gemm, dict(config=sliced)),
+                                       ("K slices again", fused_gemm, dict(config=sliced))]:
+                call = dict(fused, **extra)
+                if "add" in fused:
+                    call["add_out"] = torch.full_like(h, float("nan"))
+                runs[variant] = (fn(weights[name], x, **call), call.get("add_out"))
+            want, want_sum = runs.pop("reference")
+            for variant, (y, total) in runs.items():
+                what = f"{name}, {M} rows ({variant})"
+                assert y.dtype == dtype, what
+                check(y, want, tol, what)
+                if total is not None:
+                    check(total, want_sum, tol, f"{what}: residual sum")
+            assert torch.equal(runs["K slices again"][0], runs["K slices"][0]), f"{name}, {M} rows: slices' sum"
+    x, fused = cases["plain"]
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        fused_gemm(weights["plain"], rnd(MAX_ROWS + 1, inter))
+    with pytest.raises(ValueError, match=r"x must be \[rows, "):
+        fused_gemm(weights["down"], x, swiglu=True)
+    with pytest.raises(ValueError, match="power-of-two head size"):
+        fused_gemm(weights["o_proj"], projected[:, :vd], norm=(rnd(hd + 1), 1e-5), gate=projected[:, vd + 5:])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # top-k of each row (the drafter's expansion)
 # ----------------------------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
 
 def call_every_wrapper():
     """Each SpecLA kernel wrapper once per distinct compile (1.3B layer shapes, bf16 model, fp32 state)."""
-    from specla_kernels import commit, draft_expand, gate, gated_norm, gemv, topk, tree_conv, tree_delta
+    from specla_kernels import commit, draft_expand, fused_gemm, gate, gated_norm, gemv, topk, tree_conv, tree_delta
     bf, f32 = torch.bfloat16, torch.float32
     H, K, V, D, W, N = 6, 256, 512, 2 * 6 * 256 + 6 * 512, 4, 64
     z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype)                  # noqa: E731
@@ -121,6 +121,16 @@ def call_every_wrapper():
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=512)
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=0,   # three stages
               config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8))
+    # the verify pass's products at 16 rows, whole rows and K slices; the gated norm at 64 rows (one stage)
+    whole, sliced = dict(BN=64, BK=128, KS=0, num_stages=4), dict(BN=32, BK=512, KS=1024, num_stages=3)
+    for config in (whole, sliced):
+        fused_gemm.fused_gemm(z(9280, hid), z(16, hid), norm=(w, 1e-6), config=config)
+        fused_gemm.fused_gemm(z(2 * 5632, hid), z(16, hid), norm=(w, 1e-6), add=z(16, hid), add_out=z(16, hid),
+                              config=config)
+        fused_gemm.fused_gemm(z(hid, 5632), z(16, 2 * 5632), swiglu=True, residual=z(16, hid), config=config)
+    fused_gemm.fused_gemm(z(hid, H * V), z(16, H * V), norm=(z(V), 1e-5), gate=z(16, H * V), config=sliced)
+    fused_gemm.fused_gemm(z(hid, H * V), z(64, H * V), norm=(z(V), 1e-5), gate=z(64, H * V),
+                          config=dict(BN=16, BK=512, KS=0, num_stages=1))
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
@@ -132,8 +142,10 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     names = {fn.__name__ for fn, _, _ in launches}
     assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
-            "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel"} <= names, names
-    assert all(options.get("launch_pdl") for fn, _, options in launches if fn.__name__.startswith("gemv"))
+            "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel",
+            "fused_gemm_kernel"} <= names, names
+    assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
+               or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",
              "tree_conv_kernel"}
     assert {fn.__name__ for fn, _, options in launches if options.get("launch_pdl")} >= small

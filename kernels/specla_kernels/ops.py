@@ -12,6 +12,7 @@ import torch
 from specla_kernels import reference
 from specla_kernels import commit as _commit
 from specla_kernels import draft_expand as _draft_expand
+from specla_kernels import fused_gemm as _fused_gemm
 from specla_kernels import gate as _gate
 from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import gemv as _gemv
@@ -152,6 +153,14 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
     if use_triton(x):
         return _gemv.gemv(weight, x, **fused)
     return reference.gemv_ref(weight, x, **fused)
+
+
+def fused_gemm(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
+    """``f(x) @ weight.T`` for the few token rows ``x [M, K]`` of a verified tree, with ``gemv``'s norm / SwiGLU /
+    residual ops fused around it (see ``fused_gemm_ref``)."""
+    if use_triton(x):
+        return _fused_gemm.fused_gemm(weight, x, **fused)
+    return reference.fused_gemm_ref(weight, x, **fused)
 
 
 def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
