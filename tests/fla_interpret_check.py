@@ -53,6 +53,12 @@ for d_name, drafter in (("twin", twin), ("aligned", aligned)):
         spec = target.generate(ids, max_new_tokens=14, do_sample=False, assistant_model=drafter,
                                adaptive_drafting=False, **kw)
         specla[f"{d_name}_{mode}"] = {"equal": bool(torch.equal(spec, plain)), "tau": target.specla_stats.tau}
+from specla_kernels import tuning  # noqa: E402
+
+with tuning.using(fused_verify_max_nodes=64):      # trees' products through the fused_gemm kernel
+    spec = target.generate(ids, max_new_tokens=14, do_sample=False, assistant_model=twin, adaptive_drafting=False,
+                           tree=True, tree_budget=9, autoregressive_fallback=False)   # costs here are not a GPU's
+specla["twin_tree_fused_verify"] = {"equal": bool(torch.equal(spec, plain)), "tau": target.specla_stats.tau}
 out["specla_triton_kernels"] = specla
 # our autoregressive baseline's one-token step: fused GEMV kernels and fla's recurrence updating the state in place
 from specla_hf.loop.autoregressive import autoregressive_decode  # noqa: E402

@@ -522,6 +522,42 @@ def test_fused_one_token_step_equals_the_general_path():
     assert fused.fused_step and (outputs[1] - outputs[0]).abs().max() > 1e-2        # the update mattered
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_fused_verify_equals_the_general_path(device):
+    """Trees verified through ``_verify_fused`` (``fused_verify_max_nodes``: ``fused_gemm`` products with the norms,
+    gated norm, residual adds and SwiGLU fused; on CUDA its kernels) give the module path's logits and hidden states
+    on Qwen3.5 dense -- a fresh tree, then one hanging off its nodes -- and the same cache once a path is
+    committed."""
+    model = tiny_hybrid("qwen3_5", seed=6)
+    gen = torch.Generator().manual_seed(62)
+    with torch.no_grad():                        # norm weights away from their init, so each one's place matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    model.to(device)
+    fused, general = HybridRunner(model, cuda_graphs=False), HybridRunner(model, cuda_graphs=False)
+    general.fused_step = False
+    ids = torch.randint(0, VOCAB, (1, 7 + 6 + 3), generator=gen).to(device)
+    parents = torch.tensor([[-1, 0, 0, 1, 3, -1]]), torch.tensor([[4, -1, 7]])
+    outputs, caches = [], []
+    with tuning.using(fused_verify_max_nodes=8):
+        for runner in (fused, general):
+            calls = []
+            runner._verify_fused, real = (lambda *a: calls.append(1) or real(*a)), runner._verify_fused
+            cache = runner.new_cache(1, max_length=32)
+            runner.forward(ids[:, :7], cache, logits_positions=slice(0, 0))
+            first = runner.forward(ids[:, 7:13], cache, parents=parents[0], hidden_layers=(0, 2, 4))
+            second = runner.forward(ids[:, 13:], cache, parents=parents[1])
+            assert len(calls) == (2 if runner is fused else 0)
+            outputs.append((first.logits, second.logits, *first.hidden_states))
+            cache.commit(7)
+            caches.append(cache)
+    for got, want in zip(*outputs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_same_cache(*caches)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_weights_are_fused_when_the_adapter_is_built(family):
     """Every parameter points at its final storage once the adapter exists: a CUDA graph captured later reads it, and

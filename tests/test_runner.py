@@ -153,6 +153,53 @@ def test_fused_decode_step_equals_general_path(name, dtype):
                 torch.testing.assert_close(la.window, lb.window, **tol)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("name", ["base", "gva", "neg_eig"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_verify_equals_general_path(name, dtype, device):
+    """Trees verified through ``_verify_fused`` (``fused_verify_max_nodes``; on CUDA its ``fused_gemm`` kernels)
+    give the general path's logits, hidden states and factors -- a fresh tree, then one extending its pending nodes
+    -- and the same state once a path is committed; a tree above the limit takes the general path."""
+    from specla_kernels import tuning
+    model = tiny_gdn(seed=11, **SHAPES[name]).to(device, dtype)
+    _spread_norm_weights(model, 11)
+    fused, general = GDNRunner(model, cuda_graphs=False), GDNRunner(model, cuda_graphs=False)
+    general.fused_step = False
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 97, (1, 6 + 9 + 4), generator=gen).to(device)
+    parents = torch.tensor([random_parents(9, "bushy", gen)])
+    extension = torch.tensor([[-1, 9, 3, 11]])                  # a new root, and children of pending nodes
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    verified, caches = [], []
+    with tuning.using(fused_verify_max_nodes=9):
+        for runner in (fused, general):
+            cache = runner.new_cache(1)
+            runner.forward(ids[:, :6], cache, logits_positions=slice(0, 0))
+            calls = []
+            runner._verify_fused, real = (lambda *a: calls.append(1) or real(*a)), runner._verify_fused
+            first = runner.forward(ids[:, 6:15], cache, parents=parents, hidden_layers=(0, 2))
+            second = runner.forward(ids[:, 15:], cache, parents=extension)
+            with tuning.using(fused_verify_max_nodes=3):      # 4 nodes: above the limit
+                runner.forward(ids[:, 15:], runner.new_cache(1), parents=chain_parents(4))
+            assert len(calls) == (2 if runner is fused else 0), name
+            verified.append((first, second))
+            caches.append(cache)
+    (a1, a2), (b1, b2) = verified
+    torch.testing.assert_close(a1.logits, b1.logits, **tol)
+    torch.testing.assert_close(a2.logits, b2.logits, **tol)
+    for ha, hb in zip(a1.hidden_states, b1.hidden_states, strict=True):
+        torch.testing.assert_close(ha, hb, **tol)
+    for la, lb in zip(*(c.layers for c in caches)):
+        for fa, fb in ((la.k_hat, lb.k_hat), (la.u, lb.u), (la.g, lb.g), (la.x, lb.x)):
+            torch.testing.assert_close(fa, fb, **tol)
+    for cache in caches:
+        cache.commit(11)
+    for la, lb in zip(*(c.layers for c in caches)):
+        torch.testing.assert_close(la.state, lb.state, **tol)
+        torch.testing.assert_close(la.window, lb.window, **tol)
+
+
 def test_inputs_wider_than_the_gemv_tile_take_the_general_path(monkeypatch):
     """The fused GEMVs keep the whole input in registers: a wider model is not given the fused step."""
     import specla_hf.models.fla_gdn as gdn

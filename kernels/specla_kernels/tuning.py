@@ -44,6 +44,10 @@ class KernelTuning:
     # flush, and its picks can lose among the step's other kernels (H200: in_proj's pick 21.3 us, the best of the
     # same candidates 13.3)
     gemv_step_configs: Mapping[tuple, dict] = field(default_factory=load_step_configs)
+    # verified trees of up to this many nodes (at most 64) run the GDN layers' products as ``fused_gemm`` with the
+    # norms, SwiGLU and residual adds fused (7 launches a layer instead of 14) instead of cuBLAS GEMMs; 0: never.
+    # Not yet timed on a GPU (``benchmarks/profile_step.py --ab fused_verify`` compares)
+    fused_verify_max_nodes: int = 0
     # node counts up to which the node-by-node tree verify runs (H200, 21 layers, bf16: 85 / 95 / 153 us at 1 / 2 / 4
     # nodes against the WY/UT kernel's 166 / 179 / 193; at 8 nodes the WY/UT kernel wins)
     tree_small_max: int = 4

@@ -29,7 +29,8 @@ from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter
 from specla_hf.models.one_token import fused_rows, recurrent_step_
-from specla_kernels import ops
+from specla_kernels import ops, tuning
+from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 
@@ -179,6 +180,9 @@ class GDNRunner(GraphedAdapter):
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
+            if (self.fused_step and input_ids.shape[0] == 1
+                    and input_ids.shape[1] <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS)):
+                return self._verify_fused(input_ids, cache, all_parents, logits_positions, hidden_layers)
         h = self.model.model.embeddings(input_ids)
         hidden = [h] if 0 in hidden_layers else []
         for i, block in enumerate(self.blocks):
@@ -219,16 +223,61 @@ class GDNRunner(GraphedAdapter):
         norm = self.model.model.norm
         return ops.gemv(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps)).view(1, 1, -1)
 
+    def _verify_fused(self, input_ids: torch.Tensor, cache: SpecLACache, parents: torch.Tensor,
+                      logits_positions, hidden_layers) -> RunnerOutput:
+        """Tree nodes of batch 1 (``supports_fused_step``, at most ``fused_verify_max_nodes``) with the one-token
+        step's fusions around ``ops.fused_gemm`` products: per layer the input projection (attn norm before it),
+        tree conv, gates and tree verify, the output projection (gated norm before it), the MLP's gate|up (residual
+        add and norm before it) and down projection (SwiGLU before it, residual add after it). Rounds where the
+        general path rounds."""
+        h = self.model.model.embeddings(input_ids)[0]                       # [T, hidden]
+        hidden = [h[None]] if 0 in hidden_layers else []
+        for i, (block, m, layer) in enumerate(zip(self.blocks, self.mixers, cache.layers)):
+            proj = fuse_mixer_weights(m)[0]
+            projected = ops.fused_gemm(proj, h, norm=(block.attn_norm.weight, block.attn_norm.eps))
+            x, gate, a, b = projection_columns(m, projected[None])
+            o = self._delta_rule(m, layer, x, a, b, parents, cache.ancestors)
+            mixed = ops.fused_gemm(m.o_proj.weight, o.to(h.dtype).reshape(h.shape[0], m.value_dim),
+                                   norm=(m.o_norm.weight, m.o_norm.eps), gate=gate[0])
+            residual = torch.empty_like(h)
+            gate_up = ops.fused_gemm(fuse_mlp_weights(block.mlp), mixed,
+                                     norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=h, add_out=residual)
+            h = ops.fused_gemm(block.mlp.down_proj.weight, gate_up, swiglu=True, residual=residual)
+            if i + 1 in hidden_layers:
+                hidden.append(h[None])
+        if logits_positions is not None:
+            h = h[logits_positions]
+        norm = self.model.model.norm
+        return RunnerOutput(ops.fused_gemm(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps))[None],
+                            tuple(hidden))
+
     def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None,
                ancestors: torch.Tensor) -> torch.Tensor:
-        """Mixer ``i``: the fused input projection, the short conv and the delta rule (fla's stock kernels when
-        consuming tokens; tree conv, tree kernel and factors when verifying nodes), the output norm and projection."""
+        """Mixer ``i``: the fused input projection, the short conv and the delta rule (``_delta_rule``), the output
+        norm and projection."""
         m = self.mixers[i]
         B, T, _ = h.shape
-        proj, conv_weight, conv_bias = fuse_mixer_weights(m)
         # one GEMM for all input projections; the rest take column views of it (fla's kernels and ours read strided
         # rows)
-        x, gate, a, b = projection_columns(m, F.linear(h, proj))
+        x, gate, a, b = projection_columns(m, F.linear(h, fuse_mixer_weights(m)[0]))
+        o = self._delta_rule(m, layer, x, a, b, parents, ancestors)
+        if m.use_gate and parents is not None:
+            # the gate is a column slice of the projection GEMM: our gated norm reads it in place (fla's copies it)
+            o = ops.rms_norm_gated(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim), m.o_norm.weight,
+                                   m.o_norm.bias, m.o_norm.eps, m.o_norm.activation)
+        elif m.use_gate:
+            o = m.o_norm(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim))
+        else:
+            o = m.o_norm(o.to(h.dtype))
+        return m.o_proj(o.reshape(B, T, m.value_dim))
+
+    def _delta_rule(self, m: GatedDeltaNet, layer: SpecLALayer, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    parents: torch.Tensor | None, ancestors: torch.Tensor) -> torch.Tensor:
+        """A mixer's short conv and delta rule on its projected q|k|v inputs ``x``, decay and write-strength inputs
+        ``a``, ``b`` (column views of the input projection): fla's stock kernels when consuming tokens; tree conv,
+        tree kernel and factors when verifying nodes. Returns ``o [B, T, value heads, head_v_dim]``."""
+        B, T, _ = x.shape
+        _, conv_weight, conv_bias = fuse_mixer_weights(m)
         if not m.use_short_conv:
             y = F.silu(x)
         elif parents is None:
@@ -263,16 +312,7 @@ class GDNRunner(GraphedAdapter):
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
                                                     ancestors=ancestors)
             layer.add_factors(k_hat, u, g, x)
-
-        if m.use_gate and parents is not None:
-            # the gate is a column slice of the projection GEMM: our gated norm reads it in place (fla's copies it)
-            o = ops.rms_norm_gated(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim), m.o_norm.weight,
-                                   m.o_norm.bias, m.o_norm.eps, m.o_norm.activation)
-        elif m.use_gate:
-            o = m.o_norm(o.to(h.dtype), gate.view(B, T, m.num_v_heads, m.head_v_dim))
-        else:
-            o = m.o_norm(o.to(h.dtype))
-        return m.o_proj(o.reshape(B, T, m.value_dim))
+        return o
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Block ``i``'s fla ``GatedMLP`` with gate_proj and up_proj as one GEMM (``fuse_mlp_weights``), then

@@ -44,7 +44,8 @@ from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
 from specla_hf.models.one_token import fused_rows, recurrent_step_, unit_offset_weight
 from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
-from specla_kernels import ops
+from specla_kernels import ops, tuning
+from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 # attention implementations that take an arbitrary 4D mask (a tree is not causal)
@@ -302,6 +303,9 @@ class HybridRunner(GraphedAdapter):
             all_parents = cache.add_nodes(parents)
         h = self.decoder.embed_tokens(input_ids)
         attention = self._attention_inputs(h, cache, pending_before, parents is not None)
+        if (parents is not None and self.fused_step and self.fused_attention and B == 1
+                and T <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS)):
+            return self._verify_fused(h[0], cache, all_parents, attention, logits_positions, hidden_layers)
         hidden = [h] if 0 in hidden_layers else []
         for i, (block, kind) in enumerate(zip(self.blocks, self.config.layer_types)):
             x = self._norm(block.input_layernorm, h)
@@ -345,6 +349,40 @@ class HybridRunner(GraphedAdapter):
             h = ops.gemv(block.mlp.down_proj.weight, x, swiglu=True, residual=residual)
         norm = self.decoder.norm
         return ops.gemv(self.model.lm_head.weight, h, norm=(unit_offset_weight(norm), norm.eps)).view(1, 1, -1)
+
+    def _verify_fused(self, h: torch.Tensor, cache: SpecLACache, parents: torch.Tensor, attention, logits_positions,
+                      hidden_layers) -> RunnerOutput:
+        """Tree nodes of batch 1 (embedded: ``h [T, hidden]``; ``supports_fused_step``, at most
+        ``fused_verify_max_nodes``) as ``_decode_step`` computes a token, ``ops.fused_gemm`` products in place of its
+        GEMVs: a GDN layer's input projection (input norm before it), tree conv, gates and tree verify, output
+        projection (gated norm before it); an attention layer's q|gate, k, v projection (input norm before it),
+        ``_attend`` over the cache and output projection; the MLP's gate|up (residual add and norm before it) and
+        down projection (SwiGLU before it, residual add after it)."""
+        T = h.shape[0]
+        hidden = [h[None]] if 0 in hidden_layers else []
+        for i, (block, kind, layer) in enumerate(zip(self.blocks, self.config.layer_types, cache.layers)):
+            norm = (unit_offset_weight(block.input_layernorm), block.input_layernorm.eps)
+            if kind == "linear_attention":
+                m = block.linear_attn
+                x, z, b, a = self._split_projection(m, ops.fused_gemm(fuse_projections(m), h, norm=norm)[None])
+                o = self._tree_delta_rule(m, layer, x, b, a, parents, cache.ancestors)
+                mixed = ops.fused_gemm(m.out_proj.weight, o.to(h.dtype).reshape(T, m.value_dim),
+                                       norm=(m.norm.weight, m.norm.variance_epsilon), gate=z[0])
+            else:
+                m = block.self_attn
+                (cos, sin), mask = attention
+                qkv = ops.fused_gemm(fuse_qkv(m), h, norm=norm)
+                mixed = ops.fused_gemm(m.o_proj.weight, self._attend(m, qkv, cos[0], sin[0], mask, layer, True))
+            post, residual = block.post_attention_layernorm, torch.empty_like(h)
+            gate_up = ops.fused_gemm(fuse_gate_up(block.mlp), mixed, norm=(unit_offset_weight(post), post.eps),
+                                     add=h, add_out=residual)
+            h = ops.fused_gemm(block.mlp.down_proj.weight, gate_up, swiglu=True, residual=residual)
+            if i + 1 in hidden_layers:
+                hidden.append(h[None])
+        if logits_positions is not None:
+            h = h[logits_positions]
+        final = (unit_offset_weight(self.decoder.norm), self.decoder.norm.eps)
+        return RunnerOutput(ops.fused_gemm(self.model.lm_head.weight, h, norm=final)[None], tuple(hidden))
 
     @staticmethod
     def _attention_step(m, h: torch.Tensor, norm, layer: SpecLAAttentionLayer, attention) -> torch.Tensor:
@@ -428,10 +466,15 @@ class HybridRunner(GraphedAdapter):
         if fused is None:
             q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
             return torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], -1), z, b, a
-        x, z, b, a, _ = torch.split(F.linear(h, fused), [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads,
-                                                         fused.shape[0] - m.conv_dim - m.value_dim
-                                                         - 2 * m.num_v_heads], -1)
+        x, z, b, a = self._split_projection(m, F.linear(h, fused))
         return x, z.view(B, T, m.num_v_heads, m.head_v_dim), b, a
+
+    @staticmethod
+    def _split_projection(m, projected: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Column views of a Qwen3.5 GDN module's fused input projection ``[B, T, rows]`` (``fuse_projections``): the
+        raw conv inputs q|k|v, the output gate z ``[B, T, value_dim]``, the gate inputs ``b``, ``a``."""
+        sizes = [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads]
+        return torch.split(projected, sizes + [projected.shape[-1] - sum(sizes)], -1)[:4]
 
     def _linear_attention(self, m, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None,
                           ancestors: torch.Tensor) -> torch.Tensor:
@@ -439,30 +482,38 @@ class HybridRunner(GraphedAdapter):
         verifying tree nodes from it (see module docstring)."""
         B, T, _ = h.shape
         x, z, b, a = self._projections(m, h)
-        weight = m.conv1d.weight[:, 0]                        # [conv_dim, 1, W] -> [conv_dim, W]
         if parents is None:
-            o = self._consume(m, x, b, a, weight, layer)
+            o = self._consume(m, x, b, a, m.conv1d.weight[:, 0], layer)
         else:
-            if not layer.x.shape[1]:                          # a fresh tree (every decoding step)
-                # x may be a column slice of the projection GEMM: the conv reads it in place and writes the
-                # contiguous copy the factors keep on the way
-                x_slice, x = x, x.new_empty(x.shape)
-                y = ops.tree_conv(x_slice, weight, m.conv1d.bias, layer.window, parents, x_out=x)
-            else:
-                x = x.contiguous()
-                y = ops.tree_conv(torch.cat([layer.x, x], 1), weight, m.conv1d.bias, layer.window, parents)[:, -T:]
-            q, k, v = self._heads(m, y)
-            g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias)
-            prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
-            o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
-                                                    ancestors=ancestors)
-            layer.add_factors(k_hat, u, g, x)
+            o = self._tree_delta_rule(m, layer, x, b, a, parents, ancestors)
         if getattr(m.norm, "activation", None) in ("silu", "swish"):
             # one kernel, reading the gate (a column slice of the projection) in place
             o = ops.rms_norm_gated(o.to(h.dtype), z, m.norm.weight, None, m.norm.variance_epsilon, "swish")
         else:
             o = m.norm(o.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
         return m.out_proj(o.reshape(B, T, m.value_dim))
+
+    def _tree_delta_rule(self, m, layer: SpecLALayer, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                         parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """GDN module ``m`` verifying tree nodes from ``layer``'s committed state: the tree conv of the raw q|k|v
+        inputs ``x [B, T, conv_dim]``, gates, tree verify, factors recorded; returns ``o [B, T, heads, head_v_dim]``."""
+        T = x.shape[1]
+        weight = m.conv1d.weight[:, 0]                        # [conv_dim, 1, W] -> [conv_dim, W]
+        if not layer.x.shape[1]:                              # a fresh tree (every decoding step)
+            # x may be a column slice of the projection GEMM: the conv reads it in place and writes the contiguous
+            # copy the factors keep on the way
+            x_slice, x = x, x.new_empty(x.shape)
+            y = ops.tree_conv(x_slice, weight, m.conv1d.bias, layer.window, parents, x_out=x)
+        else:
+            x = x.contiguous()
+            y = ops.tree_conv(torch.cat([layer.x, x], 1), weight, m.conv1d.bias, layer.window, parents)[:, -T:]
+        q, k, v = self._heads(m, y)
+        g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias)
+        prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
+        o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
+                                                ancestors=ancestors)
+        layer.add_factors(k_hat, u, g, x)
+        return o
 
     @staticmethod
     def _heads(m, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
