@@ -34,6 +34,7 @@ from specla_hf.drafters.eagle import _BlockRunner
 from specla_hf.loop.autoregressive import autoregressive_decode
 from specla_hf.models import adapter_for
 from specla_hf.training.inflate import inflate_pair
+from specla_kernels import tuning
 
 # method -> (drafter name, generate() keywords)
 METHODS = {
@@ -130,12 +131,21 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot-only", type=Path, help="redraw the PNG from an acceptance_curve.json, run nothing")
+    ap.add_argument("--fused-verify", type=int, default=tuning.active().fused_verify_max_nodes,
+                    help="verified trees of up to this many nodes through fused_gemm (tuning's "
+                         "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
         saved = json.loads(args.plot_only.read_text())
         plot(saved["records"], args.out / "acceptance_curve.png", saved["meta"])
         return
+    with tuning.using(fused_verify_max_nodes=args.fused_verify):
+        measure(args)
+
+
+def measure(args) -> None:
+    """The curve: see the module docstring."""
     torch.manual_seed(0)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     small = load_models(device=args.device, dtype=dtype)
@@ -156,7 +166,7 @@ def main():
     shape = "gdn-1.3b" if args.shape == "1.3b" else "gdn-12.6m"
     meta = {"model_shape": shape, "params": sum(p.numel() for p in target.parameters()),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": dtype,
-            "prompts": len(ids_list), "max_new_tokens": n,
+            "prompts": len(ids_list), "max_new_tokens": n, "fused_verify_max_nodes": args.fused_verify,
             "weights": ("trained 12.6M GDN inflated function-preservingly to fla's 1.3B shape" if args.shape == "1.3b"
                         else "the trained 12.6M GDN")}
     log(meta)

@@ -293,10 +293,13 @@ def main() -> None:
                          "cudnn_attention, efficient_attention, math); empty: SDPA, torch's choice")
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="the MTP head's draft vocabulary at the random shapes (0: the whole vocabulary)")
+    ap.add_argument("--fused-verify", type=int, default=tuning.active().fused_verify_max_nodes,
+                    help="verified trees of up to this many nodes through fused_gemm (tuning's "
+                         "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     backends = tuple(b for b in args.tree_attention.split(",") if b)
-    with tuning.using(tree_attention_backends=backends):
+    with tuning.using(tree_attention_backends=backends, fused_verify_max_nodes=args.fused_verify):
         bench(args, backends)
 
 
@@ -308,7 +311,8 @@ def bench(args, backends: tuple[str, ...]) -> None:
                 for t in prompts(args.eval_dir, args.per_set)]
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": str(dtype),
             "prompts": len(ids_list), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-            "tree_attention_backends": list(backends) or "torch's choice", "draft_vocab": args.draft_vocab or None}
+            "tree_attention_backends": list(backends) or "torch's choice", "draft_vocab": args.draft_vocab or None,
+            "fused_verify_max_nodes": args.fused_verify}
     records = []
     for shape in args.shapes.split(","):
         target, drafters = (trained_pair(dtype, args.device) if shape == "trained" else random_pair(shape, dtype, args.device))
