@@ -84,16 +84,23 @@ def fused_gemm_kernel(w, x, y, part, count, M, N, K, stride_w, stride_x, x2, add
     m_n = n < N
     k_lo = i_s * KS
     k_hi = tl.minimum(k_lo + KS + (KS == 0) * K, K)              # KS = 0: one slice, the whole row
+    w_cols = w + n.to(tl.int64)[None, :] * stride_w
+    # the first weight tile is requested before the wait (with PDL, while the previous kernel ends): weights depend
+    # on no kernel; everything that reads an activation or writes comes after, as in the GEMV
+    cols = k_lo + tl.arange(0, BK)
+    m_cols = cols < k_hi
+    wt = tl.load(w_cols + cols[:, None], mask=m_n[None, :] & m_cols[:, None], other=0.)
     pdl.wait_for_inputs(PDL)
     rstd = tl.zeros([MP], dtype=tl.float32)
     if PRO == NORM or PRO == NORM_ADD:
         rstd = _row_stats(x, stride_x, x2, rows, m_rows, K, eps, PRO, MP, BK)
-    acc = tl.zeros([MP, BN], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
+    rhs = _rows_rhs(x, stride_x, x2, add_out, norm_w, gate, stride_g, eps, rstd, rows, m_rows, cols, m_cols, K,
+                    i_b == 0, PRO, BK)
+    acc = _dot(rhs, wt, IEEE)
+    for k0 in range(k_lo + BK, k_hi, BK):
         cols = k0 + tl.arange(0, BK)
         m_cols = cols < k_hi
-        wt = tl.load(w + n.to(tl.int64)[None, :] * stride_w + cols[:, None], mask=m_n[None, :] & m_cols[:, None],
-                     other=0.)
+        wt = tl.load(w_cols + cols[:, None], mask=m_n[None, :] & m_cols[:, None], other=0.)
         rhs = _rows_rhs(x, stride_x, x2, add_out, norm_w, gate, stride_g, eps, rstd, rows, m_rows, cols, m_cols, K,
                         i_b == 0, PRO, BK)
         acc += _dot(rhs, wt, IEEE)
