@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from specla_kernels import pdl
-from specla_kernels.gemv import GATED_NORM, NORM, NORM_ADD, RESIDUAL, SWIGLU, _cold_bench, _kinds
+from specla_kernels.gemv import GATED_NORM, NORM, NORM_ADD, RESIDUAL, SWIGLU, _cold_bench, _gated_head_norm, _kinds
 from specla_kernels.masked_attention import _dot
 
 MAX_ROWS = 64   # a tree bucket's nodes
@@ -57,10 +57,8 @@ def _rows_rhs(x, stride_x, x2, add_out, norm_w, gate, stride_g, eps, rstd, rows,
     if PRO == NORM or PRO == NORM_ADD:
         rhs = xv * rstd[:, None] * tl.load(norm_w + cols, mask=m_cols, other=0.).to(tl.float32)[None, :]
     elif PRO == GATED_NORM:                          # a tile is one head (BK = the head size)
-        h_rstd = 1 / tl.sqrt(tl.sum(xv * xv, 1) / BK + eps)
-        rhs = xv * h_rstd[:, None] * tl.load(norm_w + tl.arange(0, BK)).to(tl.float32)[None, :]
         gv = tl.load(gate + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.).to(tl.float32)
-        rhs = rhs * gv * tl.sigmoid(gv)
+        rhs = _gated_head_norm(xv, gv, norm_w, eps, BK)
     elif PRO == SWIGLU:
         up = tl.load(x + at + K, mask=m, other=0.).to(tl.float32)
         rhs = xv * tl.sigmoid(xv) * up

@@ -54,6 +54,14 @@ def _weight_block(w, blk, N, stride_w, cols, m_cols, BN: tl.constexpr):
 
 
 @triton.jit
+def _gated_head_norm(xv, gv, norm_w, eps, D: tl.constexpr):
+    """fla's gated RMSNorm (swish gate ``gv``) of each row of ``xv [R, D]``, a head a row, in fp32."""
+    h_rstd = 1 / tl.sqrt(tl.sum(xv * xv, 1) / D + eps)
+    rhs = xv * h_rstd[:, None] * tl.load(norm_w + tl.arange(0, D)).to(tl.float32)[None, :]
+    return rhs * gv * tl.sigmoid(gv)
+
+
+@triton.jit
 def _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, write_add, PRO: tl.constexpr, KC: tl.constexpr,
          KP: tl.constexpr):
     """The product's right-hand side at ``cols`` (a ``[KR, KC]`` tile; a gated norm's heads are its rows), rounded as
@@ -76,10 +84,7 @@ def _rhs(x, x2, add_out, norm_w, gate, eps, cols, m_cols, K, write_add, PRO: tl.
         rstd = 1 / tl.sqrt(sum_sq / K + eps)
         rhs = xv * rstd * tl.load(norm_w + cols, mask=m_cols, other=0.).to(tl.float32)
     elif PRO == GATED_NORM:
-        h_rstd = 1 / tl.sqrt(tl.sum(xv * xv, 1) / KC + eps)                  # one statistic per head (row)
-        gv = tl.load(gate + cols, mask=m_cols, other=0.).to(tl.float32)
-        rhs = xv * h_rstd[:, None] * tl.load(norm_w + tl.arange(0, KC)).to(tl.float32)[None, :]
-        rhs = rhs * gv * tl.sigmoid(gv)
+        rhs = _gated_head_norm(xv, tl.load(gate + cols, mask=m_cols, other=0.).to(tl.float32), norm_w, eps, KC)
     elif PRO == SWIGLU:
         up = tl.load(x + K + cols, mask=m_cols, other=0.).to(tl.float32)
         rhs = xv * tl.sigmoid(xv) * up
