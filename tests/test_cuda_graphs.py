@@ -1,6 +1,7 @@
 """The CUDA-graph bookkeeping (capture once per shape, replay with static buffers, tree buckets) on CPU, with
 ``StaticCall``'s emulation standing in for torch.cuda.CUDAGraph: anything recorded inside a capture is replayed on
 every call."""
+import pytest
 import torch
 
 from conftest import tiny_gdn
@@ -155,3 +156,32 @@ def test_a_long_prompt_through_graphed_chains_keeps_speculative_decoding_lossles
                                           tree=tree, confidence_threshold=0.0), plain), tree
     # the drafter caught up on the prompt's features through its own chain graph
     assert any(k[0] == CHAIN_CHUNK and k[1] == 0 for k in runner.graphs.forwards)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_fused_verify_in_graphs_is_lossless(device):
+    """With ``fused_verify_max_nodes`` the target's and the drafter's tree passes run ``_verify_fused`` inside their
+    graphs (captured on the GPU, emulated on the CPU): trees padded to their buckets with inert nodes, committed by
+    replays. Greedy output is plain decoding's, in fp32, with chains and trees, a perfect drafter and a poor one."""
+    from specla_kernels import tuning
+    model, twin, poor = (tiny_gdn(seed=s).to(device) for s in (54, 54, 55))
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(54)).to(device)
+    plain = model.generate(ids, max_new_tokens=25, do_sample=False)
+    with tuning.using(fused_verify_max_nodes=64):
+        runners = ([emulate_graphs(model, "target"), emulate_graphs(twin, "drafter"), emulate_graphs(poor, "drafter")]
+                   if device == "cpu" else [GDNRunner.for_model(m, r) for m, r in
+                                            ((model, "target"), (twin, "drafter"), (poor, "drafter"))])
+        fused = []
+
+        def counted(runner):
+            real = runner._verify_fused
+            runner._verify_fused = lambda *a: fused.append(runner) or real(*a)
+        for runner in runners:
+            counted(runner)
+        for drafter in (twin, poor):
+            for tree in (False, True):
+                spec = model.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=drafter, tree=tree,
+                                      autoregressive_fallback=False)
+                assert torch.equal(spec, plain), (drafter is twin, tree)
+    assert runners[0] in fused and runners[1] in fused and all(r.graphs.forwards for r in runners)
