@@ -357,3 +357,39 @@ def test_cpu_smoke_training_lowers_the_loss_resumes_and_drafts_losslessly(tmp_pa
     plain = target.generate(ids, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, tree=True),
                        plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_tree_pass_equals_the_general_one(dtype):
+    """The drafter's tree passes through ``fused_gemm`` products (``_fused_layer``, the target's LM head with the
+    drafter's norm fused in, under ``fused_verify_max_nodes``) give the general pass's draft log-probs, output hidden
+    states and factors, and the same state once a path is committed."""
+    from specla_hf.drafters.eagle import _BlockRunner
+    from specla_kernels import tuning
+    target = tiny_gdn(seed=41).to(dtype)
+    drafter = make_drafter(target, seed=41).to(dtype)
+    gen = torch.Generator().manual_seed(41)
+    with torch.no_grad():                        # norm weights away from their init, so each one's place matters
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    fused, general = _BlockRunner(drafter, target, cuda_graphs=False), _BlockRunner(drafter, target, cuda_graphs=False)
+    assert fused.fused_tree
+    general.fused_tree = False
+    feats = torch.randn(1, 13, drafter.config.hidden_size, generator=gen).to(dtype)
+    toks = torch.randint(0, 97, (1, 13), generator=gen)
+    tree = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 2, 4]])
+    outs, caches = [], []
+    with tuning.using(fused_verify_max_nodes=16):
+        for runner in (fused, general):
+            cache = runner.new_cache(1)
+            runner.forward((feats[:, :4], toks[:, :4]), cache)
+            outs.append(runner.forward((feats[:, 4:], toks[:, 4:]), cache, parents=tree))
+            cache.commit(7)
+            caches.append(cache)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, **tol)
+    torch.testing.assert_close(outs[0].hidden_states[0], outs[1].hidden_states[0], **tol)
+    for la, lb in zip(*(c.layers for c in caches)):
+        torch.testing.assert_close(la.state, lb.state, **tol)
+        torch.testing.assert_close(la.window, lb.window, **tol)

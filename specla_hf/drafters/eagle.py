@@ -44,8 +44,10 @@ from specla_hf.drafters.options import DraftOptions
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS
 from specla_hf.runtime.transfer import copy_in, to_device
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.fla_gdn import GDNRunner
+from specla_hf.models.fla_gdn import GDNRunner, fused_block, plain_norm
 from specla_hf.models.qwen3_5 import text_decoder
+from specla_kernels import ops, tuning
+from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -231,6 +233,9 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         self.mixers = [drafter.block.attn]
         self._bind_target(drafter, target, cuda_graphs)
         self._fuse_weights()
+        # tree passes through fused_gemm products (GDNRunner._fused_layer) where the block and head allow them
+        self.fused_tree = (fused_block(drafter.block) and plain_norm(drafter.norm)
+                           and getattr(self.lm_head, "bias", None) is None)
 
     def compute(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
         fused, tokens, *more = inputs                 # more: what the drafter's block_input takes beyond these
@@ -240,12 +245,19 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         else:
             all_parents = cache.add_nodes(parents)
         x = self.model.block_input(fused, self.embeddings(tokens), *more)
-        block = self.blocks[0]
-        y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents, cache.ancestors)
-        y, residual = block.mlp_norm(y, residual=x, prenorm=True)
-        h = residual + self._mlp(0, y)
-        top = h if logits_positions is None else h[:, logits_positions]
-        logits = self.lm_head(self.model.norm(top))
+        block, norm = self.blocks[0], self.model.norm
+        if (parents is not None and self.fused_tree and x.shape[0] == 1
+                and x.shape[1] <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS)):
+            h = self._fused_layer(block, cache.layers[0], x[0], all_parents, cache.ancestors)
+            top = h if logits_positions is None else h[logits_positions]
+            logits = ops.fused_gemm(self.lm_head.weight, top, norm=(norm.weight, norm.eps))[None]
+            h = h[None]
+        else:
+            y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents, cache.ancestors)
+            y, residual = block.mlp_norm(y, residual=x, prenorm=True)
+            h = residual + self._mlp(0, y)
+            top = h if logits_positions is None else h[:, logits_positions]
+            logits = self.lm_head(norm(top))
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (h,))    # fp32, no cast copy
 
 

@@ -76,32 +76,35 @@ def check_gdn_model(model, role: str = "target") -> None:
         raise NotImplementedError(f"the {role} uses hidden_act={cfg.hidden_act!r}; SpecLA supports 'swish'")
 
 
+def plain_norm(norm) -> bool:
+    """A fla ``RMSNorm`` with a weight and no bias."""
+    return isinstance(norm, RMSNorm) and norm.weight is not None and norm.bias is None
+
+
+def fused_block(block) -> bool:
+    """Whether the fused paths (``GDNRunner._decode_step``, ``_fused_layer``) compute this fla GatedDeltaNet block:
+    fla's default layout (bias-free RMSNorms and projections, short conv with SiLU, swish-gated output norm with
+    power-of-two heads, SwiGLU MLP)."""
+    m, mlp = block.attn, block.mlp
+    return (m.use_short_conv and m.use_gate and m.q_conv1d.activation in ("silu", "swish")
+            and isinstance(m.o_norm, FusedRMSNormGated) and m.o_norm.weight is not None
+            and getattr(m.o_norm, "bias", None) is None and m.o_norm.activation in ("swish", "silu")
+            and not m.head_v_dim & (m.head_v_dim - 1)
+            and plain_norm(block.attn_norm) and plain_norm(block.mlp_norm) and mlp.hidden_act == "swish"
+            and all(lin.bias is None for lin in (m.q_proj, m.k_proj, m.v_proj, m.g_proj, m.a_proj, m.b_proj,
+                                                 m.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
+
+
 def supports_fused_step(model: GatedDeltaNetForCausalLM) -> bool:
-    """Whether ``GDNRunner._decode_step`` computes this model's one-token step: fla's default block layout (fused
-    pre-norm residual adds, bias-free RMSNorms and projections, short conv with SiLU, swish-gated output norm with
-    power-of-two heads, SwiGLU MLP) with inputs of at most 16384 features. Other models take the general path."""
-    def plain_norm(n):
-        return isinstance(n, RMSNorm) and n.weight is not None and n.bias is None
-
-    def no_bias(*linears):
-        return all(lin.bias is None for lin in linears)
-
+    """Whether ``GDNRunner._decode_step`` computes this model's one-token step: fused blocks (``fused_block``) with
+    fla's fused pre-norm residual adds, inputs of at most 16384 features. Other models take the general path."""
     blocks = model.model.layers
     widths = [model.config.hidden_size] + [b.attn.value_dim for b in blocks] + [b.mlp.down_proj.in_features
                                                                                 for b in blocks]
     if max(widths) > GEMV_MAX_K:          # the GEMVs hold their whole input in registers
         return False
-    for block in blocks:
-        m, mlp = block.attn, block.mlp
-        if not (m.use_short_conv and m.use_gate and m.q_conv1d.activation in ("silu", "swish")
-                and isinstance(m.o_norm, FusedRMSNormGated) and m.o_norm.weight is not None
-                and getattr(m.o_norm, "bias", None) is None and m.o_norm.activation in ("swish", "silu")
-                and not m.head_v_dim & (m.head_v_dim - 1)
-                and plain_norm(block.attn_norm) and plain_norm(block.mlp_norm) and mlp.hidden_act == "swish"
-                and no_bias(m.q_proj, m.k_proj, m.v_proj, m.g_proj, m.a_proj, m.b_proj, m.o_proj, mlp.gate_proj,
-                            mlp.up_proj, mlp.down_proj)):
-            return False
-    return model.config.fuse_norm and plain_norm(model.model.norm) and model.lm_head.bias is None
+    return (all(map(fused_block, blocks)) and model.config.fuse_norm and plain_norm(model.model.norm)
+            and model.lm_head.bias is None)
 
 
 class GDNRunner(GraphedAdapter):
@@ -232,17 +235,8 @@ class GDNRunner(GraphedAdapter):
         general path rounds."""
         h = self.model.model.embeddings(input_ids)[0]                       # [T, hidden]
         hidden = [h[None]] if 0 in hidden_layers else []
-        for i, (block, m, layer) in enumerate(zip(self.blocks, self.mixers, cache.layers)):
-            proj = fuse_mixer_weights(m)[0]
-            projected = ops.fused_gemm(proj, h, norm=(block.attn_norm.weight, block.attn_norm.eps))
-            x, gate, a, b = projection_columns(m, projected[None])
-            o = self._delta_rule(m, layer, x, a, b, parents, cache.ancestors)
-            mixed = ops.fused_gemm(m.o_proj.weight, o.to(h.dtype).reshape(h.shape[0], m.value_dim),
-                                   norm=(m.o_norm.weight, m.o_norm.eps), gate=gate[0])
-            residual = torch.empty_like(h)
-            gate_up = ops.fused_gemm(fuse_mlp_weights(block.mlp), mixed,
-                                     norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=h, add_out=residual)
-            h = ops.fused_gemm(block.mlp.down_proj.weight, gate_up, swiglu=True, residual=residual)
+        for i, (block, layer) in enumerate(zip(self.blocks, cache.layers)):
+            h = self._fused_layer(block, layer, h, parents, cache.ancestors)
             if i + 1 in hidden_layers:
                 hidden.append(h[None])
         if logits_positions is not None:
@@ -250,6 +244,21 @@ class GDNRunner(GraphedAdapter):
         norm = self.model.model.norm
         return RunnerOutput(ops.fused_gemm(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps))[None],
                             tuple(hidden))
+
+    def _fused_layer(self, block, layer: SpecLALayer, h: torch.Tensor, parents: torch.Tensor,
+                     ancestors: torch.Tensor) -> torch.Tensor:
+        """Block ``block`` (``fused_block``) verifying tree nodes ``h [T, hidden]`` of batch 1; returns its output
+        residual stream."""
+        m, mlp = block.attn, block.mlp
+        projected = ops.fused_gemm(fuse_mixer_weights(m)[0], h, norm=(block.attn_norm.weight, block.attn_norm.eps))
+        x, gate, a, b = projection_columns(m, projected[None])
+        o = self._delta_rule(m, layer, x, a, b, parents, ancestors)
+        mixed = ops.fused_gemm(m.o_proj.weight, o.to(h.dtype).reshape(h.shape[0], m.value_dim),
+                               norm=(m.o_norm.weight, m.o_norm.eps), gate=gate[0])
+        residual = torch.empty_like(h)
+        gate_up = ops.fused_gemm(fuse_mlp_weights(mlp), mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps),
+                                 add=h, add_out=residual)
+        return ops.fused_gemm(mlp.down_proj.weight, gate_up, swiglu=True, residual=residual)
 
     def _mixer(self, i: int, h: torch.Tensor, layer: SpecLALayer, parents: torch.Tensor | None,
                ancestors: torch.Tensor) -> torch.Tensor:
