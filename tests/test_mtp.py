@@ -453,3 +453,33 @@ def test_cpu_smoke_training_lowers_the_loss_and_saves_a_readable_head(trained):
     assert torch.equal(head.layer.eh_proj.weight, saved["mtp.fc.weight"])
     assert not torch.equal(head.layer.mtp_block.self_attn.q_proj.weight,       # trained from the target's layer
                            text_decoder(target).layers[3].self_attn.q_proj.weight)
+
+
+def test_fused_tree_pass_equals_the_general_one(trained):
+    """The MTP head's tree passes through ``fused_gemm`` products (``HybridRunner._fused_block``, under
+    ``fused_verify_max_nodes``) give the general pass's draft log-probs and output hidden states, and the same
+    attention cache once a path is committed."""
+    from specla_kernels import tuning
+    _, _, target, head = trained
+    fused, general = _MTPRunner(head, target, cuda_graphs=False), _MTPRunner(head, target, cuda_graphs=False)
+    assert fused.fused_tree
+    general.fused_tree = False
+    gen = torch.Generator().manual_seed(23)
+    hidden = torch.randn(1, 12, text_decoder(target).config.hidden_size, generator=gen)
+    tokens = torch.randint(0, 256, (1, 12), generator=gen)
+    outs, caches = [], []
+    with tuning.using(fused_verify_max_nodes=16):
+        for runner in (fused, general):
+            cache = runner.new_cache(1, max_length=32)
+            runner.forward((hidden[:, :5], tokens[:, :5]), cache)
+            outs.append(runner.forward((hidden[:, 5:], tokens[:, 5:]), cache, parents=torch.tensor(
+                [[-1, 0, 0, 1, 1, 3, 2]])))
+            cache.commit(5)
+            caches.append(cache)
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[0].hidden_states[0], outs[1].hidden_states[0], rtol=1e-4, atol=1e-4)
+    (a,), (b,) = (c.layers for c in caches)
+    n = a.committed_length()
+    assert n == b.committed_length() == 5 + 4
+    for x, y in ((a.key_buffer, b.key_buffer), (a.value_buffer, b.value_buffer)):
+        torch.testing.assert_close(x[:, :, :n], y[:, :, :n], rtol=1e-4, atol=1e-4)

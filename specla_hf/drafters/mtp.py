@@ -50,8 +50,10 @@ from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, experts_blocker, text_decoder
+from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, dense_mlp, experts_blocker, text_decoder
 from specla_hf.models.tree_attention import attention_inputs
+from specla_kernels import tuning
+from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
 
 # text-config model_type -> (modeling module, decoder-layer class, RMSNorm class) the MTP layer is built from
 FAMILIES = {
@@ -221,6 +223,11 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         # the draft vocabulary's LM-head rows, copied once (a fixed tensor the graphs read)
         self.draft_vocab = None if mtp.draft_vocab is None else mtp.draft_vocab.to(self.device)
         self.draft_head = None if mtp.draft_vocab is None else self.lm_head.weight.detach()[self.draft_vocab]
+        # tree passes through fused_gemm products (HybridRunner._fused_block) where the block allows them
+        block = mtp.layer.mtp_block
+        self.fused_tree = (self.fused_attention and self.one_kernel_norms and dense_mlp(block.mlp)
+                           and all(lin.bias is None for lin in (block.mlp.gate_proj, block.mlp.up_proj,
+                                                                block.mlp.down_proj)))
 
     def graph_blocker(self) -> str | None:
         return experts_blocker([self.model.layer.mtp_block.mlp])
@@ -251,27 +258,33 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
             cache.add_nodes(parents)
             ancestors = cache.ancestors[:, pending_before:]
         embeds = self.embeddings(tokens)
+        fused = (parents is not None and self.fused_tree and tokens.shape[0] == 1
+                 and tokens.shape[1] <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS))
         out = self._mtp_layer(embeds, hidden, layer, attention_inputs(self.rotary_emb, embeds, layer, ancestors),
-                              pending=parents is not None)
+                              pending=parents is not None, fused=fused)
         top = out if logits_positions is None else out[:, logits_positions]
         logits = self.lm_head(top) if self.draft_head is None else F.linear(top, self.draft_head)
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (out,))
 
 
     def _mtp_layer(self, embeds: torch.Tensor, hidden: torch.Tensor, layer: SpecLAAttentionLayer, attention,
-                   pending: bool) -> torch.Tensor:
+                   pending: bool, fused: bool = False) -> torch.Tensor:
         """``MtpLayer.forward`` through the target runner's pieces (one kernel per zero-centred norm, ``_attention``,
-        ``_mlp``): what the module computes, up to where 16-bit intermediates round; its own ops take about twice the
-        launches, and a draft depth is bound by them."""
+        ``_mlp``; with ``fused``, tree nodes of batch 1, the block as ``_fused_block``): what the module computes, up
+        to where 16-bit intermediates round; its own ops take about twice the launches, and a draft depth is bound
+        by them."""
         mtp = self.model.layer
         inputs = [self._norm(mtp.enorm, embeds), self._norm(mtp.hnorm, hidden)]
         if getattr(mtp.config, "mtp_hidden_states_first", False):
             inputs.reverse()
         h = mtp.eh_proj(torch.cat(inputs, -1))
         block = mtp.mtp_block
-        x = self._attention(block.self_attn, self._norm(block.input_layernorm, h), layer, attention, pending)
-        x, h = self._norm(block.post_attention_layernorm, x, residual=h)
-        h = h + self._mlp(block.mlp, x)
+        if fused:
+            h = self._fused_block(block, "full_attention", layer, h[0], None, None, attention)[None]
+        else:
+            x = self._attention(block.self_attn, self._norm(block.input_layernorm, h), layer, attention, pending)
+            x, h = self._norm(block.post_attention_layernorm, x, residual=h)
+            h = h + self._mlp(block.mlp, x)
         return self._norm(mtp.post_norm, h) if mtp.use_post_norm else h
 
 

@@ -358,31 +358,37 @@ class HybridRunner(GraphedAdapter):
         projection (gated norm before it); an attention layer's q|gate, k, v projection (input norm before it),
         ``_attend`` over the cache and output projection; the MLP's gate|up (residual add and norm before it) and
         down projection (SwiGLU before it, residual add after it)."""
-        T = h.shape[0]
         hidden = [h[None]] if 0 in hidden_layers else []
         for i, (block, kind, layer) in enumerate(zip(self.blocks, self.config.layer_types, cache.layers)):
-            norm = (unit_offset_weight(block.input_layernorm), block.input_layernorm.eps)
-            if kind == "linear_attention":
-                m = block.linear_attn
-                x, z, b, a = self._split_projection(m, ops.fused_gemm(fuse_projections(m), h, norm=norm)[None])
-                o = self._tree_delta_rule(m, layer, x, b, a, parents, cache.ancestors)
-                mixed = ops.fused_gemm(m.out_proj.weight, o.to(h.dtype).reshape(T, m.value_dim),
-                                       norm=(m.norm.weight, m.norm.variance_epsilon), gate=z[0])
-            else:
-                m = block.self_attn
-                (cos, sin), mask = attention
-                qkv = ops.fused_gemm(fuse_qkv(m), h, norm=norm)
-                mixed = ops.fused_gemm(m.o_proj.weight, self._attend(m, qkv, cos[0], sin[0], mask, layer, True))
-            post, residual = block.post_attention_layernorm, torch.empty_like(h)
-            gate_up = ops.fused_gemm(fuse_gate_up(block.mlp), mixed, norm=(unit_offset_weight(post), post.eps),
-                                     add=h, add_out=residual)
-            h = ops.fused_gemm(block.mlp.down_proj.weight, gate_up, swiglu=True, residual=residual)
+            h = self._fused_block(block, kind, layer, h, parents, cache.ancestors, attention)
             if i + 1 in hidden_layers:
                 hidden.append(h[None])
         if logits_positions is not None:
             h = h[logits_positions]
         final = (unit_offset_weight(self.decoder.norm), self.decoder.norm.eps)
         return RunnerOutput(ops.fused_gemm(self.model.lm_head.weight, h, norm=final)[None], tuple(hidden))
+
+    def _fused_block(self, block, kind: str, layer, h: torch.Tensor, parents: torch.Tensor | None,
+                     ancestors: torch.Tensor | None, attention) -> torch.Tensor:
+        """Decoder block ``block`` (a ``kind`` layer of ``supports_fused_step``'s layout) verifying tree nodes
+        ``h [T, hidden]`` of batch 1 through ``fused_gemm`` products; returns its output residual stream."""
+        T = h.shape[0]
+        norm = (unit_offset_weight(block.input_layernorm), block.input_layernorm.eps)
+        if kind == "linear_attention":
+            m = block.linear_attn
+            x, z, b, a = self._split_projection(m, ops.fused_gemm(fuse_projections(m), h, norm=norm)[None])
+            o = self._tree_delta_rule(m, layer, x, b, a, parents, ancestors)
+            mixed = ops.fused_gemm(m.out_proj.weight, o.to(h.dtype).reshape(T, m.value_dim),
+                                   norm=(m.norm.weight, m.norm.variance_epsilon), gate=z[0])
+        else:
+            m = block.self_attn
+            (cos, sin), mask = attention
+            qkv = ops.fused_gemm(fuse_qkv(m), h, norm=norm)
+            mixed = ops.fused_gemm(m.o_proj.weight, self._attend(m, qkv, cos[0], sin[0], mask, layer, True))
+        post, residual = block.post_attention_layernorm, torch.empty_like(h)
+        gate_up = ops.fused_gemm(fuse_gate_up(block.mlp), mixed, norm=(unit_offset_weight(post), post.eps), add=h,
+                                 add_out=residual)
+        return ops.fused_gemm(block.mlp.down_proj.weight, gate_up, swiglu=True, residual=residual)
 
     @staticmethod
     def _attention_step(m, h: torch.Tensor, norm, layer: SpecLAAttentionLayer, attention) -> torch.Tensor:
