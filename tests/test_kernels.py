@@ -779,6 +779,23 @@ def test_fused_gemm_matches_reference(device, dtype):
                 if total is not None:
                     check(total, want_sum, tol, f"{what}: residual sum")
             assert torch.equal(runs["K slices again"][0], runs["K slices"][0]), f"{name}, {M} rows: slices' sum"
+    # one token's input projection with the short conv after it: its window shifted in place (the one-token step)
+    proj_w, h = weights["in_proj"], rnd(1, hid)
+    window, conv_w = rnd(s["conv"], 4), rnd(s["conv"], 4)
+    for bias in (rnd(s["conv"]), None):
+        runs = {}
+        for variant, fn, extra in [("reference", ref.fused_gemm_ref, {}), ("default", fused_gemm, {}),
+                                   ("K slices", fused_gemm, dict(config=sliced))]:
+            shifted = window.clone()
+            runs[variant] = fn(proj_w, h, norm=(norm_w, 1e-6), conv=(shifted, conv_w, bias), **extra), shifted
+        (want, want_window) = runs.pop("reference")
+        for variant, (y, got_window) in runs.items():
+            what = f"in_proj with conv{'' if bias is not None else ', no bias'} ({variant})"
+            check(y, want, tol, what)
+            assert torch.equal(got_window[:, :-1], want_window[:, :-1]), f"{what}: window shift"
+            check(got_window[:, -1], want_window[:, -1], tol, f"{what}: window's new column")
+    with pytest.raises(ValueError, match="one token"):
+        fused_gemm(proj_w, rnd(2, hid), conv=(window, window, None))
     x, fused = cases["plain"]
     with pytest.raises(ValueError, match="1 to 64 rows"):
         fused_gemm(weights["plain"], rnd(MAX_ROWS + 1, inter))

@@ -121,7 +121,8 @@ def call_every_wrapper():
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=512)
     gemv.gemv(z(2 * 5632, hid), z(hid), norm=(w, 1e-6), add=z(hid), add_out=z(hid), split=0,   # three stages
               config=dict(BN=4, PER_SM=2, STAGES=3, num_warps=8))
-    # the verify pass's products at 16 rows, whole rows and K slices; the gated norm at 64 rows (one stage)
+    # the verify pass's products at 16 rows, whole rows and K slices; the gated norm at 64 rows (one stage); one
+    # token's input projection with the conv epilogue
     whole, sliced = dict(BN=64, BK=128, KS=0, num_stages=4), dict(BN=32, BK=512, KS=1024, num_stages=3)
     for config in (whole, sliced):
         fused_gemm.fused_gemm(z(9280, hid), z(16, hid), norm=(w, 1e-6), config=config)
@@ -129,6 +130,7 @@ def call_every_wrapper():
                               config=config)
         fused_gemm.fused_gemm(z(hid, 5632), z(16, 2 * 5632), swiglu=True, residual=z(16, hid), config=config)
     fused_gemm.fused_gemm(z(hid, H * V), z(16, H * V), norm=(z(V), 1e-5), gate=z(16, H * V), config=sliced)
+    fused_gemm.fused_gemm(z(9280, hid), z(1, hid), norm=(w, 1e-6), conv=(z(D, W), z(D, W), None), config=sliced)
     fused_gemm.fused_gemm(z(hid, H * V), z(64, H * V), norm=(z(V), 1e-5), gate=z(64, H * V),
                           config=dict(BN=16, BK=512, KS=0, num_stages=1))
 

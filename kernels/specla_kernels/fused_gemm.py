@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from specla_kernels import pdl
-from specla_kernels.gemv import GATED_NORM, NORM, NORM_ADD, RESIDUAL, SWIGLU, _cold_bench, _gated_head_norm, _kinds
+from specla_kernels.gemv import (CONV, GATED_NORM, NORM, NORM_ADD, RESIDUAL, SWIGLU, _cold_bench, _epilogue,
+                                 _gated_head_norm, _kinds)
 from specla_kernels.masked_attention import _dot
 
 MAX_ROWS = 64   # a tree bucket's nodes
@@ -69,8 +70,9 @@ def _rows_rhs(x, stride_x, x2, add_out, norm_w, gate, stride_g, eps, rstd, rows,
 
 @triton.jit
 def fused_gemm_kernel(w, x, y, part, count, M, N, K, stride_w, stride_x, x2, add_out, norm_w, gate, stride_g,
-                      eps, res, KS, PRO: tl.constexpr, EPI: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, HD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                      eps, res, window, conv_w, conv_b, C, KS, PRO: tl.constexpr, EPI: tl.constexpr,
+                      HAS_CONV_BIAS: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, MP: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, HD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     # program (b, s): output columns b * BN .. of every row, reduced over K columns s * KS .. (KS a multiple of BK).
     # HD: a gated norm's head size (= BK), 1 without one; the autotuner keys and prunes its launches by it
     pdl.allow_dependents(PDL)
@@ -103,22 +105,30 @@ def fused_gemm_kernel(w, x, y, part, count, M, N, K, stride_w, stride_x, x2, add
                         i_b == 0, PRO, BK)
         acc += _dot(rhs, wt, IEEE)
     at = rows[:, None] * N + n[None, :]
-    m_out = m_rows[:, None] & m_n[None, :]
+    keep = m_n                                                     # the output columns this program writes
     if S > 1:
-        tl.store(part + i_s * M * N + at, acc, mask=m_out)
+        tl.store(part + i_s * M * N + at, acc, mask=m_rows[:, None] & m_n[None, :])
         # every thread's partial is written before one thread's counter update releases them (acq_rel, GPU scope)
         tl.debug_barrier()
         last = tl.atomic_add(count + i_b, 1, sem="acq_rel") == S - 1
         if last:
             acc = tl.zeros([MP, BN], dtype=tl.float32)
             for t in range(S):       # .cg: read at L2, where the other programs' partials are
-                acc += tl.load(part + t * M * N + at, mask=m_out, other=0., cache_modifier=".cg")
+                acc += tl.load(part + t * M * N + at, mask=m_rows[:, None] & m_n[None, :], other=0.,
+                               cache_modifier=".cg")
             tl.atomic_xchg(count + i_b, 0)
-        m_out = m_out & last                                       # the others' partials are in
-    out = acc.to(y.dtype.element_ty)                              # the GEMM's rounding
-    if EPI == RESIDUAL:
-        out = (out.to(tl.float32) + tl.load(res + at, mask=m_out, other=0.).to(tl.float32)).to(y.dtype.element_ty)
-    tl.store(y + at, out, mask=m_out)
+        keep = keep & last                                         # the others' partials are in
+    if EPI == CONV:       # one token: its row through the GEMV's epilogue (the window's one writer per column)
+        row = tl.sum(tl.where(rows[:, None] == 0, acc, 0.), 0).to(y.dtype.element_ty)     # the GEMM's rounding
+        row = _epilogue(row, n, keep, res, window, conv_w, conv_b, C, EPI, HAS_CONV_BIAS, W, WP)
+        tl.store(y + n, row, mask=keep)
+    else:
+        m_out = m_rows[:, None] & keep[None, :]
+        out = acc.to(y.dtype.element_ty)                          # the GEMM's rounding
+        if EPI == RESIDUAL:
+            out = (out.to(tl.float32) + tl.load(res + at, mask=m_out, other=0.).to(tl.float32)).to(
+                y.dtype.element_ty)
+        tl.store(y + at, out, mask=m_out)
 
 
 def _configs():
@@ -165,8 +175,9 @@ def _grid(N: int, K: int):
 
 # a model's products and buckets are ~15 keys of ~10 launches each: the timings are kept in Triton's cache, so that a
 # process finding the cache (a carried one on a fresh GPU machine) does not time them again
-_tuned = triton.autotune(_configs(), key=["MP", "N", "K", "PRO", "EPI", "HD"], prune_configs_by={
-    "early_config_prune": _prune}, do_bench=_cold_bench, cache_results=True)(fused_gemm_kernel)
+_tuned = triton.autotune(_configs(), key=["MP", "N", "K", "PRO", "EPI", "HD"], restore_value=["window"],
+                         prune_configs_by={"early_config_prune": _prune}, do_bench=_cold_bench,
+                         cache_results=True)(fused_gemm_kernel)
 
 _workspaces: dict = {}
 
@@ -185,11 +196,12 @@ def _workspace(device: torch.device, MP: int, N: int, slices: int) -> tuple[torc
 def fused_gemm(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
                add: torch.Tensor | None = None, add_out: torch.Tensor | None = None,
                gate: torch.Tensor | None = None, swiglu: bool = False, residual: torch.Tensor | None = None,
+               conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
                config: dict | None = None) -> torch.Tensor:
     """Triton twin of ``fused_gemm_ref``: ``x [M, K]`` (``[M, 2K]`` for SwiGLU; rows may be strided, as may a gated
-    norm's ``gate``), ``add``/``add_out [M, K]`` and ``residual [M, N]`` contiguous, ``M <= MAX_ROWS``. ``config``:
-    a launch (``BN``, ``BK``, ``KS`` (0: no K slices), ``num_warps``, ``num_stages``) in place of the tuned one, for
-    tests and benchmarks."""
+    norm's ``gate``), ``add``/``add_out [M, K]`` and ``residual [M, N]`` contiguous, ``M <= MAX_ROWS``; ``conv``
+    (``gemv``'s short-conv epilogue) for one row only. ``config``: a launch (``BN``, ``BK``, ``KS`` (0: no K
+    slices), ``num_warps``, ``num_stages``) in place of the tuned one, for tests and benchmarks."""
     N, K = weight.shape
     M = x.shape[0]
     if not 1 <= M <= MAX_ROWS:
@@ -201,7 +213,9 @@ def fused_gemm(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tenso
         raise ValueError("fused_gemm needs unit-stride rows of x, gate and weight")
     if any(t is not None and not t.is_contiguous() for t in (add, add_out, residual)):
         raise ValueError("fused_gemm needs contiguous add, add_out and residual")
-    pro, epi = _kinds(norm, add, add_out, gate, swiglu, residual)
+    if conv is not None and M != 1:
+        raise ValueError(f"fused_gemm's conv epilogue shifts one token into the window, got {M} rows")
+    pro, epi = _kinds(norm, add, add_out, gate, swiglu, residual, conv)
     HD = norm[0].numel() if gate is not None else 1
     if gate is not None and (HD & (HD - 1) or K % HD):
         raise ValueError(f"the gated-norm prologue needs a power-of-two head size dividing {K}, got {HD}")
@@ -218,7 +232,11 @@ def fused_gemm(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tenso
                 norm[0] if norm is not None else x, gate if gate is not None else x,
                 gate.stride(0) if gate is not None else 0, norm[1] if norm is not None else 0.,
                 residual if residual is not None else x)
-    consts = dict(PRO=pro, EPI=epi, MP=MP, HD=HD, PDL=on,
+    window, conv_w, conv_b = conv if conv is not None else (x, x, None)
+    operands += (window, conv_w, conv_b if conv_b is not None else x, window.shape[0] if conv is not None else 0)
+    W = window.shape[-1] if conv is not None else 1
+    consts = dict(PRO=pro, EPI=epi, HAS_CONV_BIAS=conv_b is not None, W=W, WP=triton.next_power_of_2(W), MP=MP,
+                  HD=HD, PDL=on,
                   IEEE=x.dtype == torch.float32)          # an fp32 model's products in fp32, as cuBLAS's
     if config is None and x.is_cuda:
         _tuned[_grid(N, K)](*args, *operands, **consts, launch_pdl=on)

@@ -367,13 +367,15 @@ def gemv_ref(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor,
 def fused_gemm_ref(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None,
                    add: torch.Tensor | None = None, add_out: torch.Tensor | None = None,
                    gate: torch.Tensor | None = None, swiglu: bool = False,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None,
+                   conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """``gemv_ref`` for each row of ``x [M, K]`` (``[M, 2K]`` with ``swiglu``; ``add``, ``add_out``, ``gate`` and
-    ``residual`` by row too): the few tokens of a verified tree through one product, ``[M, N]``."""
+    ``residual`` by row too): the few tokens of a verified tree through one product, ``[M, N]``; ``conv`` for one
+    row (one token shifted into the window)."""
     def row(t, i):
         return None if t is None else t[i]
     return torch.stack([gemv_ref(weight, x[i], norm=norm, add=row(add, i), add_out=row(add_out, i),
-                                 gate=row(gate, i), swiglu=swiglu, residual=row(residual, i))
+                                 gate=row(gate, i), swiglu=swiglu, residual=row(residual, i), conv=conv)
                         for i in range(x.shape[0])])
 
 
