@@ -209,15 +209,16 @@ def _build_setup(big, drafter, prompt, token, trees, feats9, toks9, tree9) -> di
 
 def _setting(**values) -> dict:
     """``tuning.KernelTuning`` changes (and torch's preferred BLAS library) from the keys ``pdl``, ``pdl_small``,
-    ``split_rows``, ``split_cols``, ``row_config``, ``fused_verify``, ``step_configs`` (whether the table
-    ``benchmarks/tune_step.py`` wrote is used; by default it is unless a GEMV launch key is given, which it would
-    override), ``small_max``, ``sweeps``, ``blas``; the others keep their defaults. (Also compared here and removed,
-    H200: an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 / 1.325 ms; a
-    one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; PDL off for the row-owner
-    GEMVs only: 1.175 vs 1.136 ms.)"""
+    ``split_rows``, ``split_cols``, ``row_config``, ``fused_verify``, ``one_token_gemm``, ``step_configs`` (whether
+    the table ``benchmarks/tune_step.py`` wrote is used; by default it is unless a GEMV launch key is given, which
+    it would override), ``small_max``, ``sweeps``, ``blas``; the others keep their defaults. (Also compared here and
+    removed, H200: an L2 prefetch of the next GEMV's weights, 0 / 4 / 12 / 24 MiB: step 1.188 / 1.214 / 1.264 /
+    1.325 ms; a one-token recurrence kernel of our own with PDL against fla's: 1.183 vs 1.148 ms; PDL off for the
+    row-owner GEMVs only: 1.175 vs 1.136 ms.)"""
     names = {"pdl": "pdl", "pdl_small": "pdl_small_kernels", "split_rows": "gemv_split_max_rows",
              "split_cols": "gemv_split_cols", "row_config": "gemv_row_config", "small_max": "tree_small_max",
-             "sweeps": "tree_sweeps", "fused_verify": "fused_verify_max_nodes"}
+             "sweeps": "tree_sweeps", "fused_verify": "fused_verify_max_nodes",
+             "one_token_gemm": "one_token_fused_gemm"}
     changes = {names[k]: v for k, v in values.items() if k in names}
     launch_keys = {"split_rows", "split_cols", "row_config"} & values.keys()
     if not values.get("step_configs", not launch_keys):
@@ -256,6 +257,8 @@ AB = {  # name -> its settings; a setting repeated last shows what the build ord
     # layer against 14), up to 16 and up to 64 nodes, against cuBLAS
     "fused_verify": {"cuBLAS": _setting(), "fused up to 16 nodes": _setting(fused_verify=16),
                      "fused up to 64 nodes": _setting(fused_verify=64), "cuBLAS again": _setting()},
+    # the one-token step's products through fused_gemm on one row (a pipelined tl.dot K loop) against the GEMVs
+    "one_token_gemm": {"GEMV": _setting(), "fused_gemm": _setting(one_token_gemm=True), "GEMV again": _setting()},
     # the tree verify's solve by depth sweeps where tuning's tree_sweeps has them (64, 128 nodes), against the block solve
     "sweep": {"default": _setting(), "block solve only": _setting(sweeps={}), "default again": _setting()},
     # the row-owner products (gate_up, lm_head) with a third stage in flight, or split-K like the others (on plain

@@ -66,4 +66,6 @@ from specla_hf.models.fla_gdn import GDNRunner  # noqa: E402
 
 runner = GDNRunner(target)
 out["fused_step_equal"] = runner.fused_step and bool(torch.equal(autoregressive_decode(runner, ids, 14), plain))
+with tuning.using(one_token_fused_gemm=True):      # the step's products through fused_gemm on one row
+    out["fused_step_fused_gemm_equal"] = bool(torch.equal(autoregressive_decode(runner, ids, 14), plain))
 print(json.dumps(out))

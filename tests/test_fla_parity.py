@@ -17,6 +17,7 @@ def test_torch_path_matches_fla_kernels():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     specla = results.pop("specla_triton_kernels")
     assert results.pop("fused_step_equal"), "the fused one-token step decodes differently from plain decoding"
+    assert results.pop("fused_step_fused_gemm_equal"), "the one-token step through fused_gemm decodes differently"
     for name, r in results.items():
         assert r["logits_max_abs"] < 1e-4 * max(1.0, r["ref_max_abs"]), (name, r)
         assert r["generate_equal"], (name, r)

@@ -130,10 +130,13 @@ def _spread_norm_weights(model, seed: int) -> None:
 
 @pytest.mark.parametrize("name", [*VARIANTS, "unfused_norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_decode_step_equals_general_path(name, dtype):
-    """Batch-1 one-token steps through ``_decode_step`` (fused GEMVs, in-place recurrence) give the general path's
-    logits, state and conv window, step after step; models it cannot compute take the general path."""
+@pytest.mark.parametrize("products", ["gemv", "fused_gemm"])
+def test_fused_decode_step_equals_general_path(name, dtype, products):
+    """Batch-1 one-token steps through ``_decode_step`` (fused GEMVs, or ``fused_gemm`` on one row under
+    ``one_token_fused_gemm``; in-place recurrence) give the general path's logits, state and conv window, step after
+    step; models it cannot compute take the general path."""
     from specla_hf.models.fla_gdn import supports_fused_step
+    from specla_kernels import tuning
     model = tiny_gdn(seed=6, **SHAPES[name]).to(dtype)
     _spread_norm_weights(model, 6)
     fused, general = GDNRunner(model), GDNRunner(model)
@@ -145,7 +148,8 @@ def test_fused_decode_step_equals_general_path(name, dtype):
         runner.forward(ids[:, :5], cache, logits_positions=slice(0, 0))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for t in range(5, 12):
-        a, b = (runner.forward(ids[:, t:t + 1], cache).logits for runner, cache in zip((fused, general), caches))
+        with tuning.using(one_token_fused_gemm=products == "fused_gemm"):
+            a, b = (runner.forward(ids[:, t:t + 1], cache).logits for runner, cache in zip((fused, general), caches))
         torch.testing.assert_close(a, b, **tol)
         for la, lb in zip(*(c.layers for c in caches)):
             torch.testing.assert_close(la.state, lb.state, **tol)

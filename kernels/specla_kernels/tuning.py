@@ -48,6 +48,9 @@ class KernelTuning:
     # norms, SwiGLU and residual adds fused (7 launches a layer instead of 14) instead of cuBLAS GEMMs; 0: never.
     # Not yet timed on a GPU (``benchmarks/profile_step.py --ab fused_verify`` compares)
     fused_verify_max_nodes: int = 0
+    # the one-token step's products through ``fused_gemm`` on one row (its pipelined tl.dot K loop) instead of the
+    # GEMV kernels. Not yet timed on a GPU (``benchmarks/profile_step.py --ab one_token_gemm``)
+    one_token_fused_gemm: bool = False
     # node counts up to which the node-by-node tree verify runs (H200, 21 layers, bf16: 85 / 95 / 153 us at 1 / 2 / 4
     # nodes against the WY/UT kernel's 166 / 179 / 193; at 8 nodes the WY/UT kernel wins)
     tree_small_max: int = 4

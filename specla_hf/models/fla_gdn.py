@@ -28,7 +28,7 @@ from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter
-from specla_hf.models.one_token import fused_rows, recurrent_step_
+from specla_hf.models.one_token import fused_rows, product, recurrent_step_
 from specla_kernels import ops, tuning
 from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
@@ -212,19 +212,19 @@ class GDNRunner(GraphedAdapter):
         h = self.model.model.embeddings(input_ids).view(-1)
         for block, m, layer in zip(self.blocks, self.mixers, cache.layers):
             proj, conv_weight, conv_bias = fuse_mixer_weights(m)
-            p = ops.gemv(proj, h, norm=(block.attn_norm.weight, block.attn_norm.eps),
-                         conv=(layer.window[0], conv_weight, conv_bias))
+            p = product(proj, h, norm=(block.attn_norm.weight, block.attn_norm.eps),
+                        conv=(layer.window[0], conv_weight, conv_bias))
             y, gate, a, b = projection_columns(m, p)          # y: q|k|v after the conv epilogue
             q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim])
             o = recurrent_step_(q, k, v, a, b, layer.state, m.A_log, m.dt_bias, m.allow_neg_eigval)
-            mixed = ops.gemv(m.o_proj.weight, o, norm=(m.o_norm.weight, m.o_norm.eps), gate=gate)
+            mixed = product(m.o_proj.weight, o, norm=(m.o_norm.weight, m.o_norm.eps), gate=gate)
             mlp = block.mlp
             residual = torch.empty_like(h)
-            x = ops.gemv(fuse_mlp_weights(mlp), mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=h,
-                         add_out=residual)
-            h = ops.gemv(mlp.down_proj.weight, x, swiglu=True, residual=residual)
+            x = product(fuse_mlp_weights(mlp), mixed, norm=(block.mlp_norm.weight, block.mlp_norm.eps), add=h,
+                        add_out=residual)
+            h = product(mlp.down_proj.weight, x, swiglu=True, residual=residual)
         norm = self.model.model.norm
-        return ops.gemv(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps)).view(1, 1, -1)
+        return product(self.model.lm_head.weight, h, norm=(norm.weight, norm.eps)).view(1, 1, -1)
 
     def _verify_fused(self, input_ids: torch.Tensor, cache: SpecLACache, parents: torch.Tensor,
                       logits_positions, hidden_layers) -> RunnerOutput:

@@ -13,7 +13,7 @@ import triton
 
 from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel
 from specla_hf.models import fla_backend as backend
-from specla_kernels import ops
+from specla_kernels import ops, tuning
 
 
 def fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: int = 1) -> torch.Tensor:
@@ -37,6 +37,17 @@ def fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: i
         p.data = view
     owner.__dict__[key] = (fused, tuple(p.data_ptr() for p in params))
     return fused
+
+
+def product(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
+    """A one-token step's product ``ops.gemv(weight, x, **fused)`` (1-D vectors), or the same through
+    ``ops.fused_gemm`` on one row where ``KernelTuning.one_token_fused_gemm`` asks for it (an A/B: the GEMV streams at
+    62% of the bandwidth in the step; ``fused_gemm``'s K loop is a pipelined ``tl.dot``)."""
+    if not tuning.active().one_token_fused_gemm:
+        return ops.gemv(weight, x, **fused)
+    rows = {k: v.view(1, -1) if k in ("add", "add_out", "gate", "residual") and v is not None else v
+            for k, v in fused.items()}
+    return ops.fused_gemm(weight, x.view(1, -1), **rows).view(-1)
 
 
 def unit_offset_weight(norm: nn.Module) -> torch.Tensor:

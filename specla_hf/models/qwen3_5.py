@@ -42,7 +42,7 @@ from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models import fla_backend as backend
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
-from specla_hf.models.one_token import fused_rows, recurrent_step_, unit_offset_weight
+from specla_hf.models.one_token import fused_rows, product, recurrent_step_, unit_offset_weight
 from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
 from specla_kernels import ops, tuning
 from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
@@ -334,21 +334,21 @@ class HybridRunner(GraphedAdapter):
             norm = block.input_layernorm
             if kind == "linear_attention":
                 m = block.linear_attn
-                p = ops.gemv(fuse_projections(m), h, norm=(unit_offset_weight(norm), norm.eps),
-                             conv=(layer.window[0], m.conv1d.weight[:, 0], m.conv1d.bias))
+                p = product(fuse_projections(m), h, norm=(unit_offset_weight(norm), norm.eps),
+                            conv=(layer.window[0], m.conv1d.weight[:, 0], m.conv1d.bias))
                 q, k, v, z, b, a = torch.split(p, [m.key_dim, m.key_dim, m.value_dim, m.value_dim, m.num_v_heads,
                                                    m.num_v_heads, p.numel() - m.conv_dim - m.value_dim
                                                    - 2 * m.num_v_heads])[:6]     # q|k|v after the conv epilogue
                 o = recurrent_step_(q, k, v, a, b, layer.state, m.A_log, m.dt_bias)
-                mixed = ops.gemv(m.out_proj.weight, o, norm=(m.norm.weight, m.norm.variance_epsilon), gate=z)
+                mixed = product(m.out_proj.weight, o, norm=(m.norm.weight, m.norm.variance_epsilon), gate=z)
             else:
                 mixed = self._attention_step(block.self_attn, h, norm, layer, attention)
             post, residual = block.post_attention_layernorm, torch.empty_like(h)
-            x = ops.gemv(fuse_gate_up(block.mlp), mixed, norm=(unit_offset_weight(post), post.eps), add=h,
-                         add_out=residual)
-            h = ops.gemv(block.mlp.down_proj.weight, x, swiglu=True, residual=residual)
+            x = product(fuse_gate_up(block.mlp), mixed, norm=(unit_offset_weight(post), post.eps), add=h,
+                        add_out=residual)
+            h = product(block.mlp.down_proj.weight, x, swiglu=True, residual=residual)
         norm = self.decoder.norm
-        return ops.gemv(self.model.lm_head.weight, h, norm=(unit_offset_weight(norm), norm.eps)).view(1, 1, -1)
+        return product(self.model.lm_head.weight, h, norm=(unit_offset_weight(norm), norm.eps)).view(1, 1, -1)
 
     def _verify_fused(self, h: torch.Tensor, cache: SpecLACache, parents: torch.Tensor, attention, logits_positions,
                       hidden_layers) -> RunnerOutput:
@@ -395,9 +395,9 @@ class HybridRunner(GraphedAdapter):
         """Gated attention module ``m`` on one token ``h [hidden]`` of batch 1: the q|gate, k, v projection (input norm
         before it), then ``_attend``, with the output projection as a GEMV."""
         (cos, sin), mask = attention
-        qkv = ops.gemv(fuse_qkv(m), h, norm=(unit_offset_weight(norm), norm.eps))
+        qkv = product(fuse_qkv(m), h, norm=(unit_offset_weight(norm), norm.eps))
         o = HybridRunner._attend(m, qkv.view(1, -1), cos, sin, mask, layer, pending=False)
-        return ops.gemv(m.o_proj.weight, o.view(-1))
+        return product(m.o_proj.weight, o.view(-1))
 
     def _attention(self, m, x: torch.Tensor, layer: SpecLAAttentionLayer, attention, pending: bool) -> torch.Tensor:
         """Full-attention module ``m`` on ``x [B, T, hidden]``, consumed or verified as pending tree nodes after
