@@ -132,7 +132,7 @@ def call_every_wrapper():
     fused_gemm.fused_gemm(z(hid, H * V), z(16, H * V), norm=(z(V), 1e-5), gate=z(16, H * V), config=sliced)
     fused_gemm.fused_gemm(z(9280, hid), z(1, hid), norm=(w, 1e-6), conv=(z(D, W), z(D, W), None), config=sliced)
     fused_gemm.fused_gemm(z(hid, H * V), z(64, H * V), norm=(z(V), 1e-5), gate=z(64, H * V),
-                          config=dict(BN=16, BK=512, KS=0, num_stages=1))
+                          config=dict(BN=16, BK=512, KS=0, num_warps=8, num_stages=1))
 
 
 def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
@@ -187,3 +187,33 @@ def test_probe_tree_anchors_are_in_the_kernel():
     probe_tree = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe_tree)
     assert hasattr(probe_tree.probed_module(), "_stamp")
+
+
+def test_fused_gemm_autotuner_prunes_and_compiles_each_verify_product(launches, monkeypatch):
+    """The autotuned ``fused_gemm`` launch, as a GPU makes it (timings stubbed, launches intercepted): the autotuner
+    calls ``_prune`` with the launch's positional arguments apart from its keywords, and the launch it keeps for
+    each verify product of the 1.3B shape (bf16 and fp32, 16 and 64 rows, one token with the conv) compiles for
+    sm_90 within the H200's shared memory."""
+    from specla_kernels import fused_gemm, pdl
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))      # take the autotuned path
+    monkeypatch.setattr(fused_gemm._tuned, "cache_results", False)
+    monkeypatch.setattr(fused_gemm._tuned, "_bench", lambda *a, config, **kw: [float(id(config) % 7)] * 3)
+    monkeypatch.setattr(fused_gemm._tuned, "cache", {})
+    pruned = []
+    prune = fused_gemm._tuned.early_config_prune
+    monkeypatch.setattr(fused_gemm._tuned, "early_config_prune", lambda *a, **kw: pruned.append(prune(*a, **kw))
+                        or pruned[-1])
+    hid, vd, inter, hd, proj, conv = 2048, 3072, 5632, 512, 9280, 6144
+    for dtype in (torch.bfloat16, torch.float32):
+        z = lambda *shape: torch.zeros(*shape, dtype=dtype)                          # noqa: E731
+        for M in (16, 64):
+            fused_gemm.fused_gemm(z(proj, hid), z(M, hid), norm=(z(hid), 1e-6))
+            fused_gemm.fused_gemm(z(hid, vd), z(M, vd), norm=(z(hd), 1e-5), gate=z(M, vd))
+            fused_gemm.fused_gemm(z(2 * inter, hid), z(M, hid), norm=(z(hid), 1e-6), add=z(M, hid), add_out=z(M, hid))
+            fused_gemm.fused_gemm(z(hid, inter), z(M, 2 * inter), swiglu=True, residual=z(M, hid))
+        fused_gemm.fused_gemm(z(proj, hid), z(1, hid), norm=(z(hid), 1e-6), conv=(z(conv, 4), z(conv, 4), None))
+    assert len(pruned) == len(launches) == 18 and all(pruned)
+    for fn, bound, options in launches:
+        assert fn.__name__ == "fused_gemm_kernel"
+        assert compile_for_h200(fn, bound, options).metadata.shared <= fused_gemm.SHARED_BYTES

@@ -139,34 +139,45 @@ def _configs():
     return [triton.Config({"BN": bn, "BK": bk, "KS": ks}, num_warps=nw, num_stages=st)
             for bn, bk, ks, nw, st in [(64, 128, 0, 4, 4), (32, 128, 0, 4, 4), (64, 256, 0, 4, 3), (128, 128, 0, 8, 3),
                                        (32, 256, 0, 4, 3), (64, 128, 1024, 4, 4), (32, 128, 512, 4, 4),
-                                       (64, 256, 1024, 4, 3), (32, 512, 1024, 4, 3), (16, 512, 512, 4, 3),
-                                       (32, 512, 0, 4, 2), (16, 512, 1024, 4, 2)]]
+                                       (64, 256, 1024, 8, 3), (32, 512, 1024, 8, 3), (16, 512, 512, 8, 3),
+                                       (32, 512, 0, 8, 2), (16, 512, 1024, 8, 2)]]
 
 
 SHARED_BYTES = 227 * 1024     # an H100 / H200 block's shared memory
 
 
-def _stage_bytes(BN: int, BK: int, MP: int, PRO: int) -> int:
+def _inputs(PRO: int) -> int:
+    """Input tiles a K step loads: two for a gated norm (and its gate), a residual add, SwiGLU (gate and up)."""
+    return 2 if PRO in (GATED_NORM.value, NORM_ADD.value, SWIGLU.value) else 1
+
+
+def _stage_bytes(BN: int, BK: int, MP: int, PRO: int, elem: int) -> int:
     """Shared memory of one pipeline stage: the software pipeliner buffers every load of the K loop, the weight tile
-    and the input tiles (two for a gated norm, a residual add, SwiGLU). Compiled for sm_90 at the 1.3B shapes,
-    kernels took 50-90% of stages times this."""
-    inputs = 2 if PRO in (GATED_NORM.value, NORM_ADD.value, SWIGLU.value) else 1
-    return BK * (BN + MP * inputs) * 2
+    and the input tiles (``elem`` bytes an element). Compiled for sm_90 at the 1.3B shapes, kernels took 50-90% of
+    stages times this."""
+    return BK * (BN + MP * _inputs(PRO)) * elem
 
 
-def _fits(c: triton.Config, kwargs) -> bool:
-    """A gated norm's K step is one head; a slice holds whole K steps; the stages fit in shared memory."""
-    bk, ks, bn = c.kwargs["BK"], c.kwargs["KS"], c.kwargs["BN"]
-    return ((kwargs["HD"] == 1 or bk == kwargs["HD"]) and (ks == 0 or ks % bk == 0 and ks < kwargs["K"])
-            and c.num_stages * _stage_bytes(bn, bk, kwargs["MP"], kwargs["PRO"]) <= SHARED_BYTES)
+def _fits(c: triton.Config, args: dict, elem: int) -> bool:
+    """A gated norm's K step is one head; a slice holds whole K steps; the stages fit in shared memory; the input
+    tiles' fp32 elements are at most 128 a thread (ptxas for sm_90: a 512-wide gated head at 32 rows spilled with 4
+    warps, not with 8; gate|up at 64 rows, 2048 wide, fit 4 warps in 255 registers)."""
+    bk, ks, bn, mp = c.kwargs["BK"], c.kwargs["KS"], c.kwargs["BN"], args["MP"]
+    return ((args["HD"] == 1 or bk == args["HD"]) and (ks == 0 or ks % bk == 0 and ks < args["K"])
+            and c.num_stages * _stage_bytes(bn, bk, mp, args["PRO"], elem) <= SHARED_BYTES
+            and mp * bk * _inputs(args["PRO"]) <= 128 * 32 * c.num_warps)
 
 
 def _prune(configs, named_args, **kwargs):
-    """The launches that fit, else one small one (a 512-wide gated head at 64 rows: no room for a second stage)."""
-    bk = max(64, kwargs["HD"])
-    stages = 2 if 2 * _stage_bytes(16, bk, kwargs["MP"], kwargs["PRO"]) <= SHARED_BYTES else 1
-    return [c for c in configs if _fits(c, kwargs)] or [triton.Config({"BN": 16, "BK": bk, "KS": 0}, num_warps=4,
-                                                                      num_stages=stages)]
+    """The launches that fit, else one small one (a 512-wide gated head at 64 rows: 8 warps with ~100 bytes of
+    spills, the fewest of 4, 8 and 16; no room for a second stage). The autotuner passes the launch's positional
+    arguments (``x``, ``K``) in ``named_args`` and its keywords (the constexprs) in ``kwargs``."""
+    args = {**named_args, **kwargs}
+    elem = args["x"].element_size()
+    bk = max(64, args["HD"])
+    stages = 2 if 2 * _stage_bytes(16, bk, args["MP"], args["PRO"], elem) <= SHARED_BYTES else 1
+    return [c for c in configs if _fits(c, args, elem)] or [triton.Config({"BN": 16, "BK": bk, "KS": 0},
+                                                                          num_warps=8, num_stages=stages)]
 
 
 def _grid(N: int, K: int):
