@@ -45,9 +45,9 @@ from specla_hf.models.graphed import DRAFT_SEQ_TOKENS
 from specla_hf.runtime.transfer import copy_in, to_device
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.fla_gdn import GDNRunner, fused_block, plain_norm
+from specla_hf.models.one_token import fused_tree_pass
 from specla_hf.models.qwen3_5 import text_decoder
-from specla_kernels import ops, tuning
-from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
+from specla_kernels import ops
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -246,8 +246,7 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
             all_parents = cache.add_nodes(parents)
         x = self.model.block_input(fused, self.embeddings(tokens), *more)
         block, norm = self.blocks[0], self.model.norm
-        if (parents is not None and self.fused_tree and x.shape[0] == 1
-                and x.shape[1] <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS)):
+        if parents is not None and self.fused_tree and fused_tree_pass(*x.shape[:2]):
             h = self._fused_layer(block, cache.layers[0], x[0], all_parents, cache.ancestors)
             top = h if logits_positions is None else h[logits_positions]
             logits = ops.fused_gemm(self.lm_head.weight, top, norm=(norm.weight, norm.eps))[None]

@@ -50,10 +50,9 @@ from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, dense_mlp, experts_blocker, text_decoder
+from specla_hf.models.one_token import fused_tree_pass
+from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, experts_blocker, fused_block, text_decoder
 from specla_hf.models.tree_attention import attention_inputs
-from specla_kernels import tuning
-from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
 
 # text-config model_type -> (modeling module, decoder-layer class, RMSNorm class) the MTP layer is built from
 FAMILIES = {
@@ -224,10 +223,7 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         self.draft_vocab = None if mtp.draft_vocab is None else mtp.draft_vocab.to(self.device)
         self.draft_head = None if mtp.draft_vocab is None else self.lm_head.weight.detach()[self.draft_vocab]
         # tree passes through fused_gemm products (HybridRunner._fused_block) where the block allows them
-        block = mtp.layer.mtp_block
-        self.fused_tree = (self.fused_attention and self.one_kernel_norms and dense_mlp(block.mlp)
-                           and all(lin.bias is None for lin in (block.mlp.gate_proj, block.mlp.up_proj,
-                                                                block.mlp.down_proj)))
+        self.fused_tree = self.one_kernel_norms and fused_block(mtp.layer.mtp_block, "full_attention")
 
     def graph_blocker(self) -> str | None:
         return experts_blocker([self.model.layer.mtp_block.mlp])
@@ -258,8 +254,7 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
             cache.add_nodes(parents)
             ancestors = cache.ancestors[:, pending_before:]
         embeds = self.embeddings(tokens)
-        fused = (parents is not None and self.fused_tree and tokens.shape[0] == 1
-                 and tokens.shape[1] <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS))
+        fused = parents is not None and self.fused_tree and fused_tree_pass(*tokens.shape)
         out = self._mtp_layer(embeds, hidden, layer, attention_inputs(self.rotary_emb, embeds, layer, ancestors),
                               pending=parents is not None, fused=fused)
         top = out if logits_positions is None else out[:, logits_positions]

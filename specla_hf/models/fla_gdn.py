@@ -28,9 +28,8 @@ from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter
-from specla_hf.models.one_token import fused_rows, product, recurrent_step_
-from specla_kernels import ops, tuning
-from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
+from specla_hf.models.one_token import fused_rows, fused_tree_pass, product, recurrent_step_
+from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 
@@ -183,8 +182,7 @@ class GDNRunner(GraphedAdapter):
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
-            if (self.fused_step and input_ids.shape[0] == 1
-                    and input_ids.shape[1] <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS)):
+            if self.fused_step and fused_tree_pass(*input_ids.shape):
                 return self._verify_fused(input_ids, cache, all_parents, logits_positions, hidden_layers)
         h = self.model.model.embeddings(input_ids)
         hidden = [h] if 0 in hidden_layers else []

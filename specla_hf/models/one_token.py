@@ -14,6 +14,7 @@ import triton
 from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel
 from specla_hf.models import fla_backend as backend
 from specla_kernels import ops, tuning
+from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
 
 
 def fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: int = 1) -> torch.Tensor:
@@ -48,6 +49,13 @@ def product(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
     rows = {k: v.view(1, -1) if k in ("add", "add_out", "gate", "residual") and v is not None else v
             for k, v in fused.items()}
     return ops.fused_gemm(weight, x.view(1, -1), **rows).view(-1)
+
+
+def fused_tree_pass(batch: int, nodes: int) -> bool:
+    """Whether a tree pass of ``batch`` x ``nodes`` goes through an adapter's ``fused_gemm`` products (batch 1, at most
+    ``KernelTuning.fused_verify_max_nodes`` nodes and ``fused_gemm``'s rows); the adapter says whether its modules
+    allow them."""
+    return batch == 1 and nodes <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS)
 
 
 def unit_offset_weight(norm: nn.Module) -> torch.Tensor:

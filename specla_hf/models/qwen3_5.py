@@ -42,10 +42,9 @@ from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models import fla_backend as backend
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
-from specla_hf.models.one_token import fused_rows, product, recurrent_step_, unit_offset_weight
+from specla_hf.models.one_token import fused_rows, fused_tree_pass, product, recurrent_step_, unit_offset_weight
 from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
-from specla_kernels import ops, tuning
-from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
+from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 # attention implementations that take an arbitrary 4D mask (a tree is not causal)
@@ -127,35 +126,38 @@ def fusable_attention(m) -> bool:
             and all(lin.bias is None for lin in (m.q_proj, m.k_proj, m.v_proj, m.o_proj)))
 
 
+def fused_block(block, kind: str) -> bool:
+    """Whether the fused paths (``HybridRunner._decode_step``, ``_fused_block``) compute this ``kind`` decoder block:
+    a dense SwiGLU MLP, and Qwen3.5's GDN layout (separate input projections, power-of-two value heads for the gated
+    norm) or a ``fusable_attention`` module, all bias-free."""
+    mlp = block.mlp
+    if not dense_mlp(mlp):
+        return False
+    linears = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if kind == "linear_attention":
+        m = block.linear_attn
+        if not hasattr(m, "in_proj_qkv") or m.head_v_dim & (m.head_v_dim - 1):
+            return False
+        linears += [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a, m.out_proj]
+    elif not fusable_attention(block.self_attn):
+        return False
+    return all(lin.bias is None for lin in linears)
+
+
 def supports_fused_step(model) -> bool:
-    """Whether ``HybridRunner._decode_step`` computes this model's one-token step: Qwen3.5's GDN layout (separate
-    bias-free input projections, power-of-two value heads for the gated norm), dense SwiGLU MLPs, zero-centred
-    RMSNorms and GEMV inputs of at most 16384 features. Others (Qwen3-Next's interleaved projections, MoE blocks)
-    take the general path."""
+    """Whether ``HybridRunner._decode_step`` computes this model's one-token step: fused blocks (``fused_block``),
+    zero-centred RMSNorms and GEMV inputs of at most 16384 features. Others (Qwen3-Next's interleaved projections,
+    MoE blocks) take the general path."""
     decoder = text_decoder(model)
     cfg = decoder.config
     if not all(map(zero_centred, hidden_norms(decoder))) or model.lm_head.bias is not None:
         return False
     widths = [cfg.hidden_size]
     for block, kind in zip(decoder.layers, cfg.layer_types):
-        mlp = block.mlp
-        if not dense_mlp(mlp):
+        if not fused_block(block, kind):
             return False
-        linears = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        widths.append(mlp.down_proj.in_features)
-        if kind == "linear_attention":
-            m = block.linear_attn
-            if not hasattr(m, "in_proj_qkv") or m.head_v_dim & (m.head_v_dim - 1):
-                return False
-            linears += [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a, m.out_proj]
-            widths.append(m.value_dim)
-        else:
-            m = block.self_attn
-            if not fusable_attention(m):
-                return False
-            widths.append(m.o_proj.in_features)
-        if any(lin.bias is not None for lin in linears):
-            return False
+        mixed = block.linear_attn.value_dim if kind == "linear_attention" else block.self_attn.o_proj.in_features
+        widths += [mixed, block.mlp.down_proj.in_features]
     return max(widths) <= GEMV_MAX_K      # the GEMVs hold their whole input in registers
 
 
@@ -303,8 +305,7 @@ class HybridRunner(GraphedAdapter):
             all_parents = cache.add_nodes(parents)
         h = self.decoder.embed_tokens(input_ids)
         attention = self._attention_inputs(h, cache, pending_before, parents is not None)
-        if (parents is not None and self.fused_step and self.fused_attention and B == 1
-                and T <= min(tuning.active().fused_verify_max_nodes, FUSED_GEMM_MAX_ROWS)):
+        if parents is not None and self.fused_step and fused_tree_pass(B, T):
             return self._verify_fused(h[0], cache, all_parents, attention, logits_positions, hidden_layers)
         hidden = [h] if 0 in hidden_layers else []
         for i, (block, kind) in enumerate(zip(self.blocks, self.config.layer_types)):
@@ -370,7 +371,7 @@ class HybridRunner(GraphedAdapter):
 
     def _fused_block(self, block, kind: str, layer, h: torch.Tensor, parents: torch.Tensor | None,
                      ancestors: torch.Tensor | None, attention) -> torch.Tensor:
-        """Decoder block ``block`` (a ``kind`` layer of ``supports_fused_step``'s layout) verifying tree nodes
+        """Decoder block ``block`` (``fused_block``: a ``kind`` layer) verifying tree nodes
         ``h [T, hidden]`` of batch 1 through ``fused_gemm`` products; returns its output residual stream."""
         T = h.shape[0]
         norm = (unit_offset_weight(block.input_layernorm), block.input_layernorm.eps)
