@@ -234,7 +234,7 @@ def fused_gemm(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tenso
     if config is None and not x.is_cuda:     # the interpreter (tests): one launch, K in slices when long enough
         bk = HD if gate is not None else 16
         config = dict(BN=16, BK=bk, KS=2 * bk if K > 2 * bk else 0)
-    narrowest = min(c.kwargs["KS"] or K for c in _configs()) if config is None else config["KS"] or K
+    narrowest = min(c.kwargs["KS"] or K for c in _tuned.configs) if config is None else config["KS"] or K
     MP = max(16, triton.next_power_of_2(M))
     y = x.new_empty(M, N)
     part, count = _workspace(x.device, MP, N, triton.cdiv(K, narrowest))
