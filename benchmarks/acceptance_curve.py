@@ -90,6 +90,13 @@ def speculation_counts(stats: list) -> dict:
                 draft_nodes=statistics.mean([n for s in stats for n in s.draft_nodes[:s.speculative_steps]] or [0]))
 
 
+def add_fused_verify_option(ap: argparse.ArgumentParser) -> None:
+    """``--fused-verify N``: the run's ``KernelTuning.fused_verify_max_nodes``."""
+    ap.add_argument("--fused-verify", type=int, default=tuning.active().fused_verify_max_nodes,
+                    help="verified trees of up to this many nodes through fused_gemm (tuning's "
+                         "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
+
+
 def prompts(eval_dir: Path, per_set: int) -> list[str]:
     out = []
     for file, field in SETS.values():
@@ -131,9 +138,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot-only", type=Path, help="redraw the PNG from an acceptance_curve.json, run nothing")
-    ap.add_argument("--fused-verify", type=int, default=tuning.active().fused_verify_max_nodes,
-                    help="verified trees of up to this many nodes through fused_gemm (tuning's "
-                         "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
+    add_fused_verify_option(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot_only:

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import specla_hf
-from acceptance_curve import log, log_shape_costs, prompts, run, speculation_counts
+from acceptance_curve import add_fused_verify_option, log, log_shape_costs, prompts, run, speculation_counts
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
 from specla_kernels import tuning
@@ -293,9 +293,7 @@ def main() -> None:
                          "cudnn_attention, efficient_attention, math); empty: SDPA, torch's choice")
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="the MTP head's draft vocabulary at the random shapes (0: the whole vocabulary)")
-    ap.add_argument("--fused-verify", type=int, default=tuning.active().fused_verify_max_nodes,
-                    help="verified trees of up to this many nodes through fused_gemm (tuning's "
-                         "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
+    add_fused_verify_option(ap)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     backends = tuple(b for b in args.tree_attention.split(",") if b)
