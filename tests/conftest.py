@@ -56,6 +56,13 @@ def tiny_gdn(seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 2, h
     return model
 
 
+def record_calls(obj, name: str) -> list:
+    """Wrap the method ``obj.name`` so that each call appends ``obj`` to the returned list, then runs it."""
+    calls, real = [], getattr(obj, name)
+    setattr(obj, name, lambda *args, **kwargs: calls.append(obj) or real(*args, **kwargs))
+    return calls
+
+
 @pytest.fixture(scope="session")
 def target():
     return tiny_gdn(seed=0)

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList, 
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TopKLogitsWarper
 
 import test_generate
-from conftest import tiny_gdn, write_word_corpus
+from conftest import record_calls, tiny_gdn, write_word_corpus
 from tiny_checkpoints import hub_snapshot, run_offline
 from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig, speculative_decode
 from specla_hf.drafters.base import DraftBuffers
@@ -376,6 +376,7 @@ def test_fused_tree_pass_equals_the_general_one(dtype):
     fused, general = _BlockRunner(drafter, target, cuda_graphs=False), _BlockRunner(drafter, target, cuda_graphs=False)
     assert fused.fused_tree
     general.fused_tree = False
+    layer_calls = [record_calls(runner, "_fused_layer") for runner in (fused, general)]
     feats = torch.randn(1, 13, drafter.config.hidden_size, generator=gen).to(dtype)
     toks = torch.randint(0, 97, (1, 13), generator=gen)
     tree = torch.tensor([[-1, 0, 0, 0, 0, 1, 1, 2, 4]])
@@ -387,6 +388,7 @@ def test_fused_tree_pass_equals_the_general_one(dtype):
             outs.append(runner.forward((feats[:, 4:], toks[:, 4:]), cache, parents=tree))
             cache.commit(7)
             caches.append(cache)
+    assert [len(calls) for calls in layer_calls] == [1, 0]          # the tree pass, fused in one runner only
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(outs[0].logits, outs[1].logits, **tol)
     torch.testing.assert_close(outs[0].hidden_states[0], outs[1].hidden_states[0], **tol)

@@ -11,6 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from conftest import record_calls
 from hybrid_models import FAMILIES, MODEL_CLASSES, VOCAB, tiny_hybrid, tiny_qwen3_5_vl
 from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
 from specla_kernels import tuning
@@ -543,8 +544,7 @@ def test_fused_verify_equals_the_general_path(device):
     outputs, caches = [], []
     with tuning.using(fused_verify_max_nodes=8):
         for runner in (fused, general):
-            calls = []
-            runner._verify_fused, real = (lambda *a: calls.append(1) or real(*a)), runner._verify_fused
+            calls = record_calls(runner, "_verify_fused")
             cache = runner.new_cache(1, max_length=32)
             runner.forward(ids[:, :7], cache, logits_positions=slice(0, 0))
             first = runner.forward(ids[:, 7:13], cache, parents=parents[0], hidden_layers=(0, 2, 4))

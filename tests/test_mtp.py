@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers import (DynamicCache, LogitsProcessorList, MaxLengthCriteria, Qwen3_5ForCausalLM,
                           StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper)
 
-from conftest import tiny_gdn
+from conftest import record_calls, tiny_gdn
 from tiny_checkpoints import hub_snapshot, run_offline
 from hybrid_models import VOCAB, spread_weights_, tiny_hybrid, tiny_qwen3_5_vl
 from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
@@ -464,6 +464,7 @@ def test_fused_tree_pass_equals_the_general_one(trained):
     fused, general = _MTPRunner(head, target, cuda_graphs=False), _MTPRunner(head, target, cuda_graphs=False)
     assert fused.fused_tree
     general.fused_tree = False
+    block_calls = [record_calls(runner, "_fused_block") for runner in (fused, general)]
     gen = torch.Generator().manual_seed(23)
     hidden = torch.randn(1, 12, text_decoder(target).config.hidden_size, generator=gen)
     tokens = torch.randint(0, 256, (1, 12), generator=gen)
@@ -476,6 +477,7 @@ def test_fused_tree_pass_equals_the_general_one(trained):
                 [[-1, 0, 0, 1, 1, 3, 2]])))
             cache.commit(5)
             caches.append(cache)
+    assert [len(calls) for calls in block_calls] == [1, 0]          # the tree pass, fused in one runner only
     torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outs[0].hidden_states[0], outs[1].hidden_states[0], rtol=1e-4, atol=1e-4)
     (a,), (b,) = (c.layers for c in caches)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import VARIANTS, tiny_gdn
+from conftest import VARIANTS, record_calls, tiny_gdn
 from specla_hf.models.fla_gdn import GDNRunner
 from specla_kernels.reference import chain_parents, tree_ancestors
 from test_reference import random_parents
@@ -180,8 +180,7 @@ def test_fused_verify_equals_general_path(name, dtype, device):
         for runner in (fused, general):
             cache = runner.new_cache(1)
             runner.forward(ids[:, :6], cache, logits_positions=slice(0, 0))
-            calls = []
-            runner._verify_fused, real = (lambda *a: calls.append(1) or real(*a)), runner._verify_fused
+            calls = record_calls(runner, "_verify_fused")
             first = runner.forward(ids[:, 6:15], cache, parents=parents, hidden_layers=(0, 2))
             second = runner.forward(ids[:, 15:], cache, parents=extension)
             with tuning.using(fused_verify_max_nodes=3):      # 4 nodes: above the limit
