@@ -805,6 +805,22 @@ def test_fused_gemm_matches_reference(device, dtype):
         fused_gemm(weights["down"], x, swiglu=True)
     with pytest.raises(ValueError, match="power-of-two head size"):
         fused_gemm(weights["o_proj"], projected[:, :vd], norm=(rnd(hd + 1), 1e-5), gate=projected[:, vd + 5:])
+    with pytest.raises(ValueError, match="of at least 16"):
+        fused_gemm(weights["o_proj"][:, :8], projected[:, :8], norm=(rnd(8), 1e-5), gate=projected[:, vd:vd + 8])
+
+
+@pytest.mark.parametrize("head", [16, 32, 64, 128, 256, 512])
+def test_fused_gemm_keeps_launches_that_step_one_gated_head(head):
+    """A gated norm normalises one head per K step, so every launch the autotuner keeps for a gated product steps K
+    by exactly the head, also for heads narrower than every listed K step (the one fallback launch), which the
+    interpreter's fixed launch does not reach."""
+    from specla_kernels.fused_gemm import GATED_NORM, NORM, _prune, _tuned
+    for rows, dtype in [(16, torch.float32), (16, torch.bfloat16), (64, torch.bfloat16)]:
+        x = torch.empty(rows, 8 * head, dtype=dtype)
+        kept = _prune(_tuned.configs, {"x": x, "K": 8 * head}, MP=rows, HD=head, PRO=GATED_NORM.value)
+        assert kept and {c.kwargs["BK"] for c in kept} == {head}, (rows, dtype)
+    plain = _prune(_tuned.configs, {"x": torch.empty(16, 8 * head), "K": 8 * head}, MP=16, HD=1, PRO=NORM.value)
+    assert len({c.kwargs["BK"] for c in plain}) > 1
 
 
 # ----------------------------------------------------------------------------------------------------------------

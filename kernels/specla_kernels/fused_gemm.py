@@ -27,6 +27,7 @@ from specla_kernels.gemv import (CONV, GATED_NORM, NORM, NORM_ADD, RESIDUAL, SWI
 from specla_kernels.masked_attention import _dot
 
 MAX_ROWS = 64   # a tree bucket's nodes
+MIN_GATED_HEAD = 16   # a gated norm's K step is one head, and tl.dot's K is at least 16
 
 
 @triton.jit
@@ -170,12 +171,13 @@ def _fits(c: triton.Config, args: dict, elem: int) -> bool:
 
 
 def _prune(configs, named_args, **kwargs):
-    """The launches that fit, else one small one (a 512-wide gated head at 64 rows: 8 warps with ~100 bytes of
-    spills, the fewest of 4, 8 and 16; no room for a second stage). The autotuner passes the launch's positional
-    arguments (``x``, ``K``) in ``named_args`` and its keywords (the constexprs) in ``kwargs``."""
+    """The launches that fit, else one small one: a gated head narrower than every listed K step (its K step is the
+    head), or a 512-wide gated head at 64 rows (8 warps with ~100 bytes of spills, the fewest of 4, 8 and 16; no
+    room for a second stage). The autotuner passes the launch's positional arguments (``x``, ``K``) in
+    ``named_args`` and its keywords (the constexprs) in ``kwargs``."""
     args = {**named_args, **kwargs}
     elem = args["x"].element_size()
-    bk = max(64, args["HD"])
+    bk = 64 if args["HD"] == 1 else args["HD"]
     stages = 2 if 2 * _stage_bytes(16, bk, args["MP"], args["PRO"], elem) <= SHARED_BYTES else 1
     return [c for c in configs if _fits(c, args, elem)] or [triton.Config({"BN": 16, "BK": bk, "KS": 0},
                                                                           num_warps=8, num_stages=stages)]
@@ -229,8 +231,9 @@ def fused_gemm(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tenso
         raise ValueError(f"fused_gemm's conv epilogue shifts one token into the window, got {M} rows")
     pro, epi = _kinds(norm, add, add_out, gate, swiglu, residual, conv)
     HD = norm[0].numel() if gate is not None else 1
-    if gate is not None and (HD & (HD - 1) or K % HD):
-        raise ValueError(f"the gated-norm prologue needs a power-of-two head size dividing {K}, got {HD}")
+    if gate is not None and (HD & (HD - 1) or K % HD or HD < MIN_GATED_HEAD):
+        raise ValueError(f"the gated-norm prologue needs a power-of-two head size of at least {MIN_GATED_HEAD} "
+                         f"dividing {K}, got {HD}")
     if config is None and not x.is_cuda:     # the interpreter (tests): one launch, K in slices when long enough
         bk = HD if gate is not None else 16
         config = dict(BN=16, BK=bk, KS=2 * bk if K > 2 * bk else 0)

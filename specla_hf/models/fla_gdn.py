@@ -30,6 +30,7 @@ from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter
 from specla_hf.models.one_token import fused_rows, fused_tree_pass, product, recurrent_step_
 from specla_kernels import ops
+from specla_kernels.fused_gemm import MIN_GATED_HEAD
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 
@@ -83,12 +84,12 @@ def plain_norm(norm) -> bool:
 def fused_block(block) -> bool:
     """Whether the fused paths (``GDNRunner._decode_step``, ``_fused_layer``) compute this fla GatedDeltaNet block:
     fla's default layout (bias-free RMSNorms and projections, short conv with SiLU, swish-gated output norm with
-    power-of-two heads, SwiGLU MLP)."""
+    power-of-two heads of at least 16, SwiGLU MLP)."""
     m, mlp = block.attn, block.mlp
     return (m.use_short_conv and m.use_gate and m.q_conv1d.activation in ("silu", "swish")
             and isinstance(m.o_norm, FusedRMSNormGated) and m.o_norm.weight is not None
             and getattr(m.o_norm, "bias", None) is None and m.o_norm.activation in ("swish", "silu")
-            and not m.head_v_dim & (m.head_v_dim - 1)
+            and not m.head_v_dim & (m.head_v_dim - 1) and m.head_v_dim >= MIN_GATED_HEAD
             and plain_norm(block.attn_norm) and plain_norm(block.mlp_norm) and mlp.hidden_act == "swish"
             and all(lin.bias is None for lin in (m.q_proj, m.k_proj, m.v_proj, m.g_proj, m.a_proj, m.b_proj,
                                                  m.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)))

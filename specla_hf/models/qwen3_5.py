@@ -45,6 +45,7 @@ from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAd
 from specla_hf.models.one_token import fused_rows, fused_tree_pass, product, recurrent_step_, unit_offset_weight
 from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
 from specla_kernels import ops
+from specla_kernels.fused_gemm import MIN_GATED_HEAD
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 # attention implementations that take an arbitrary 4D mask (a tree is not causal)
@@ -129,14 +130,14 @@ def fusable_attention(m) -> bool:
 def fused_block(block, kind: str) -> bool:
     """Whether the fused paths (``HybridRunner._decode_step``, ``_fused_block``) compute this ``kind`` decoder block:
     a dense SwiGLU MLP, and Qwen3.5's GDN layout (separate input projections, power-of-two value heads for the gated
-    norm) or a ``fusable_attention`` module, all bias-free."""
+    norm, at least 16 wide) or a ``fusable_attention`` module, all bias-free."""
     mlp = block.mlp
     if not dense_mlp(mlp):
         return False
     linears = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     if kind == "linear_attention":
         m = block.linear_attn
-        if not hasattr(m, "in_proj_qkv") or m.head_v_dim & (m.head_v_dim - 1):
+        if not hasattr(m, "in_proj_qkv") or m.head_v_dim & (m.head_v_dim - 1) or m.head_v_dim < MIN_GATED_HEAD:
             return False
         linears += [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a, m.out_proj]
     elif not fusable_attention(block.self_attn):
