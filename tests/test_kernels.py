@@ -809,6 +809,46 @@ def test_fused_gemm_matches_reference(device, dtype):
         fused_gemm(weights["o_proj"][:, :8], projected[:, :8], norm=(rnd(8), 1e-5), gate=projected[:, vd:vd + 8])
 
 
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_fused_gemm_every_listed_launch_matches_reference(device):
+    """Every launch of the autotuner's list that its pruning keeps for bf16 (column blocks 16-128, K steps 128-512,
+    whole rows and 512 / 1024-column slices, at 16 and 64 padded rows), in the interpreter, against
+    ``fused_gemm_ref``: the tuned launches a GPU picks from, where the reference test's fixed interpreter launch
+    steps K by 16. Products of 1536 columns (three K slices at the narrowest), ragged output columns, gated heads of
+    128, 256 and 512."""
+    from specla_kernels.fused_gemm import _kinds, _prune, _tuned, fused_gemm
+    gen = seeded('fused_gemm launches')
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).bfloat16()  # noqa: E731
+    K, N = 1536, 72
+    w = rnd(N, K, scale=K ** -0.5)
+    norm_w = rnd(K).abs() + 0.5
+    tried = set()
+    for M in (5, 37):
+        x, gate, res, out_res = rnd(M, 2 * K), rnd(M, K), rnd(M, K), rnd(M, N)
+        cases = {"norm": (x[:, :K], dict(norm=(norm_w, 1e-6))),
+                 "add and norm": (x[:, :K], dict(norm=(norm_w, 1e-6), add=res)),
+                 "SwiGLU, residual": (x, dict(swiglu=True, residual=out_res)),
+                 **{f"gated head {hd}": (x[:, :K], dict(norm=(norm_w[:hd], 1e-5), gate=gate)) for hd in (128, 256, 512)}}
+        for name, (inp, fused) in cases.items():
+            if "add" in fused:
+                fused["add_out"] = torch.full_like(res, float("nan"))
+            want = ref.fused_gemm_ref(w, inp, **fused)
+            want_sum = fused["add_out"].clone() if "add" in fused else None
+            launch = dict(MP=16 if M <= 16 else 64, PRO=_kinds(**fused)[0],
+                          HD=fused["norm"][0].numel() if "gate" in fused else 1)
+            for c in _prune(_tuned.configs, {"x": inp, "K": K}, **launch):
+                what = f"{name}, {M} rows, {c}"
+                if "add" in fused:
+                    fused["add_out"].fill_(float("nan"))
+                got = fused_gemm(w, inp, **fused, config=dict(c.kwargs, num_warps=c.num_warps,
+                                                               num_stages=c.num_stages))
+                check(got, want, 2 * TOL[torch.bfloat16], what)
+                if want_sum is not None:
+                    check(fused["add_out"], want_sum, 2 * TOL[torch.bfloat16], f"{what}: residual sum")
+                tried.add((c.kwargs["BK"], c.kwargs["KS"] > 0))
+    assert tried >= {(128, False), (256, False), (512, False), (128, True), (256, True), (512, True)}
+
+
 @pytest.mark.parametrize("head", [16, 32, 64, 128, 256, 512])
 def test_fused_gemm_keeps_launches_that_step_one_gated_head(head):
     """A gated norm normalises one head per K step, so every launch the autotuner keeps for a gated product steps K
