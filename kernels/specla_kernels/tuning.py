@@ -46,7 +46,8 @@ class KernelTuning:
     gemv_step_configs: Mapping[tuple, dict] = field(default_factory=load_step_configs)
     # verified trees of up to this many nodes (at most 64) run the GDN layers' products as ``fused_gemm`` with the
     # norms, SwiGLU and residual adds fused (7 launches a layer instead of 14) instead of cuBLAS GEMMs; 0: never.
-    # Not yet timed on a GPU (``benchmarks/profile_step.py --ab fused_verify`` compares)
+    # Off: with its autotuned launches a graphed 16-node pass of the 1.3B shape took 3.01 ms against 1.72 / 1.79
+    # through cuBLAS (H200, ``profile_step.py --ab fused_verify_16``)
     fused_verify_max_nodes: int = 0
     # the one-token step's products through ``fused_gemm`` on one row (its pipelined tl.dot K loop) instead of the
     # GEMV kernels. Not yet timed on a GPU (``benchmarks/profile_step.py --ab one_token_gemm``)
