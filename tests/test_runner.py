@@ -219,6 +219,21 @@ def test_inputs_wider_than_the_gemv_tile_take_the_general_path(monkeypatch):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_value_heads_narrower_than_a_fused_gemm_step_take_the_general_path():
+    """A tree pass's ``fused_gemm`` steps K by one gated head, at least 16 wide (``tl.dot``): 8-wide value heads leave
+    the model on the general path, whose verify pass matches fla's forward."""
+    from specla_hf.models.fla_gdn import supports_fused_step
+    model = tiny_gdn(seed=8, head_dim=4)                         # value heads of 8 (expand_v 2)
+    assert model.model.layers[0].attn.head_v_dim == 8 and not supports_fused_step(model)
+    runner = GDNRunner(model)
+    assert not runner.fused_step
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(8))
+    cache = runner.new_cache(1)
+    runner.forward(ids[:, :5], cache, logits_positions=slice(0, 0))
+    torch.testing.assert_close(runner.forward(ids[:, 5:], cache, parents=chain_parents(4)).logits,
+                               model(ids).logits[:, 5:], rtol=1e-4, atol=1e-5)
+
+
 def test_weights_are_fused_when_the_adapter_is_built():
     """Every parameter points at its final storage once the adapter exists: a CUDA graph captured later reads it, and
     one re-pointed after a capture would leave that graph reading freed memory (``one_token.fused_rows``)."""

@@ -28,9 +28,8 @@ from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter
-from specla_hf.models.one_token import fused_rows, fused_tree_pass, product, recurrent_step_
+from specla_hf.models.one_token import fusable_gated_head, fused_rows, fused_tree_pass, product, recurrent_step_
 from specla_kernels import ops
-from specla_kernels.fused_gemm import MIN_GATED_HEAD
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 
@@ -89,7 +88,7 @@ def fused_block(block) -> bool:
     return (m.use_short_conv and m.use_gate and m.q_conv1d.activation in ("silu", "swish")
             and isinstance(m.o_norm, FusedRMSNormGated) and m.o_norm.weight is not None
             and getattr(m.o_norm, "bias", None) is None and m.o_norm.activation in ("swish", "silu")
-            and not m.head_v_dim & (m.head_v_dim - 1) and m.head_v_dim >= MIN_GATED_HEAD
+            and fusable_gated_head(m.head_v_dim)
             and plain_norm(block.attn_norm) and plain_norm(block.mlp_norm) and mlp.hidden_act == "swish"
             and all(lin.bias is None for lin in (m.q_proj, m.k_proj, m.v_proj, m.g_proj, m.a_proj, m.b_proj,
                                                  m.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)))

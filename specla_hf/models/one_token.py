@@ -14,7 +14,7 @@ import triton
 from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel
 from specla_hf.models import fla_backend as backend
 from specla_kernels import ops, tuning
-from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS
+from specla_kernels.fused_gemm import MAX_ROWS as FUSED_GEMM_MAX_ROWS, MIN_GATED_HEAD
 
 
 def fused_rows(owner: nn.Module, key: str, params: list[torch.Tensor], pad_to: int = 1) -> torch.Tensor:
@@ -49,6 +49,12 @@ def product(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
     rows = {k: v.view(1, -1) if k in ("add", "add_out", "gate", "residual") and v is not None else v
             for k, v in fused.items()}
     return ops.fused_gemm(weight, x.view(1, -1), **rows).view(-1)
+
+
+def fusable_gated_head(size: int) -> bool:
+    """Whether the fused paths' gated-norm prologue takes value heads of ``size``: a power of two (the GEMV's register
+    tile) of at least ``fused_gemm.MIN_GATED_HEAD`` (a tree pass's K step is one head)."""
+    return not size & (size - 1) and size >= MIN_GATED_HEAD
 
 
 def fused_tree_pass(batch: int, nodes: int) -> bool:

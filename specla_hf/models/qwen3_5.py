@@ -42,10 +42,10 @@ from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models import fla_backend as backend
 from specla_hf.models.base import RunnerOutput
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
-from specla_hf.models.one_token import fused_rows, fused_tree_pass, product, recurrent_step_, unit_offset_weight
+from specla_hf.models.one_token import (fusable_gated_head, fused_rows, fused_tree_pass, product, recurrent_step_,
+                                       unit_offset_weight)
 from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
 from specla_kernels import ops
-from specla_kernels.fused_gemm import MIN_GATED_HEAD
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
 # attention implementations that take an arbitrary 4D mask (a tree is not causal)
@@ -137,7 +137,7 @@ def fused_block(block, kind: str) -> bool:
     linears = [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     if kind == "linear_attention":
         m = block.linear_attn
-        if not hasattr(m, "in_proj_qkv") or m.head_v_dim & (m.head_v_dim - 1) or m.head_v_dim < MIN_GATED_HEAD:
+        if not hasattr(m, "in_proj_qkv") or not fusable_gated_head(m.head_v_dim):
             return False
         linears += [m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a, m.out_proj]
     elif not fusable_attention(block.self_attn):
