@@ -17,12 +17,13 @@ STEP_CONFIGS_FILE = Path(__file__).with_name("gemv_step_configs.json")
 
 
 def load_step_configs(path: Path = STEP_CONFIGS_FILE) -> dict[tuple, dict]:
-    """``{product_key: launch}`` from a file ``benchmarks/tune_step.py`` wrote (none: ``{}``); ``launch`` is
-    ``split`` (columns per program, 0 for the row-owner kernel) and the kernel's launch shape."""
+    """``{product_key: launch}`` from a file ``benchmarks/tune_step.py`` wrote (none: ``{}``), over all its runs (one
+    per GPU and model shape); ``launch`` is ``split`` (columns per program, 0 for the row-owner kernel) and the
+    kernel's launch shape."""
     if not path.exists():
         return {}
     return {(e["device"], e["dtype"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]): e["launch"]
-            for e in json.loads(path.read_text())["products"]}
+            for run in json.loads(path.read_text())["runs"] for e in run["products"]}
 
 
 @dataclass(frozen=True)
