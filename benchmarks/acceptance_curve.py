@@ -105,6 +105,18 @@ def prompts(eval_dir: Path, per_set: int) -> list[str]:
     return out
 
 
+COPY_BYTES_PER_S = 4.2e12     # the H200's measured copy rate: the most a kernel streaming weights reaches
+
+
+def weight_floor_ms(model) -> float:
+    """The one-token step's least time on the H200: every weight it reads once at ``COPY_BYTES_PER_S``, which is all
+    of them but an untied input embedding (the step reads one row of it)."""
+    embedding = model.get_input_embeddings().weight
+    tied = embedding.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    read = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 1e3 * (read - (0 if tied else embedding.numel() * embedding.element_size())) / COPY_BYTES_PER_S
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import specla_hf  # noqa: F401  (registers the drafter classes)
+from acceptance_curve import weight_floor_ms
 from specla_hf.app.loading import load_models
 from specla_hf.drafters.eagle import _BlockRunner
 from specla_hf.models.fla_gdn import GDNRunner
@@ -398,7 +399,7 @@ def main():
             seq["ids"] = torch.cat([seq["ids"], torch.randint(0, cfg.vocab_size, (1, 4), generator=gen)], 1)
             eagle.launch(seq["ids"])
         res[name] = cuda_ms(draft_step)
-    res["floor_ms"] = weight_bytes / 4.2e12 * 1e3            # all weights once at the measured ~4.2 TB/s copy rate
+    res["floor_ms"] = weight_floor_ms(big)
 
     # whole decoding calls, 48 new tokens after a 64-token prompt: where the wall time of a step goes
     from specla_hf.loop.autoregressive import autoregressive_decode
