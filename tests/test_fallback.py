@@ -135,7 +135,7 @@ def modes(model, drafter, ids, calls: int, **kwargs) -> list[str]:
 def test_a_call_after_a_fallback_starts_autoregressive_and_says_why(bad_drafter, monkeypatch):
     """Once a call fell back, the next call with the same drafter and settings decodes autoregressively from its
     first step (no warm-up steps), says why and when it speculates again, and still equals plain decoding; the
-    re-probe after it judges by one fresh step plus the remembered ones."""
+    re-probe after it is judged, as every call, once it has made ``warmup`` steps of its own."""
     model = tiny_gdn(seed=74)
     ar_seconds(monkeypatch, 1e-9)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(74))
@@ -146,13 +146,13 @@ def test_a_call_after_a_fallback_starts_autoregressive_and_says_why(bad_drafter,
     assert re.fullmatch(r"autoregressive from the start: in earlier calls speculation cost [\d.]+ ms a token at tau "
                         r"[\d.]+, an autoregressive step 0.00 ms \(the last 4 speculative steps\); speculating again "
                         r"on the next call", stats.mode_reason), stats.mode_reason
-    assert modes(model, bad_drafter, ids, 2) == ["fell back after 1", "ar"]
+    assert modes(model, bad_drafter, ids, 2) == ["fell back after 4", "ar"]
     assert model.specla_stats.mode_reason.endswith("speculating again after 1 more call")
     # autoregressive_fallback=False neither reads nor moves the memory
     model.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=bad_drafter, confidence_threshold=0.0,
                    autoregressive_fallback=False)
     assert model.specla_stats.mode == "speculative" and model.specla_stats.mode_reason == ""
-    assert modes(model, bad_drafter, ids, 2) == ["ar", "fell back after 1"]
+    assert modes(model, bad_drafter, ids, 2) == ["ar", "fell back after 4"]
 
 
 def test_the_memory_is_kept_per_drafter_draft_shape_and_sampling_rule(bad_drafter, monkeypatch):
@@ -180,7 +180,7 @@ def test_the_back_off_doubles_and_speculation_that_pays_resets_it(bad_drafter, m
     model = tiny_gdn(seed=77)
     ar_seconds(monkeypatch, 1e-9)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(77))
-    probe = ["fell back after 1"]
+    probe = ["fell back after 4"]
     assert modes(model, bad_drafter, ids, 10) == ["fell back after 4", "ar", *probe, "ar", "ar", *probe, *["ar"] * 4]
     ar_seconds(monkeypatch, 1e9)
     assert modes(model, bad_drafter, ids, 1) == ["speculated"]
@@ -206,7 +206,7 @@ def test_policy_backs_off_up_to_its_cap_and_resets_when_speculation_pays():
     memory = FallbackMemory()
     losing, paying = [(3.0, 2)] * 10, [(1.0, 4)] * 10           # 1.5 s and 0.25 s a token against a 1 s step
     seen = [simulated_call(memory, 1.0, losing) for _ in range(1 + 2 + 3 + 5 + 9 + 17 + 17)]
-    probe = ["fell back after 1"]
+    probe = ["fell back after 4"]
     assert seen == ["fell back after 4", "ar", *probe, *["ar"] * 2, *probe, *["ar"] * 4, *probe, *["ar"] * 8,
                     *probe, *["ar"] * 16, *probe, *["ar"] * MAX_BACKOFF, *probe]
     # the back-off skips calls only while the remembered steps lose against the current autoregressive step
@@ -220,12 +220,19 @@ def test_policy_backs_off_up_to_its_cap_and_resets_when_speculation_pays():
     assert simulated_call(memory, 2.0, []) == "speculated" and (memory.backoff, memory.skip) == (4, 4)
 
 
-def test_policy_judges_one_fresh_step_with_the_remembered_ones():
+def test_policy_judges_a_call_by_warmup_steps_of_its_own_with_the_remembered_ones():
+    """A losing history and an unlucky first step do not end a call: one step keeps 1 to 8 tokens at tau 2-4."""
     memory = FallbackMemory(steps=[(3.0, 2)] * 8)
     policy = FallbackPolicy(1.0, memory)
     assert policy.verdict() is None                         # no step of its own yet
+    for _ in range(policy.warmup - 1):
+        policy.observe(3.0, 2)
+        assert policy.verdict() is None                     # too few of its own
     policy.observe(3.0, 2)
     assert policy.verdict().startswith("speculation cost 1500.00 ms a token at tau 2.00")
+    # a call that pays after an unlucky first step keeps speculating, the losing history notwithstanding
+    unlucky_then_paying = [(3.0, 1)] + [(1.0, 4)] * 9
+    assert simulated_call(FallbackMemory(steps=[(3.0, 2)] * 8), 1.0, unlucky_then_paying) == "speculated"
     assert len(memory.steps) == policy.window               # the memory keeps the judged window only
 
 

@@ -13,15 +13,17 @@ proposal shapes' costs and acceptance, ``loop.shapes``) per drafter (its adapter
 sampling rule (greedy or sampling, and each logits processor's class and scalar settings: temperature, top-k, top-p,
 penalties), the things that decide acceptance and cost (``speculation_memory``; ``clear_speculation_memory`` forgets
 them). So:
-- a call is judged once ``warmup`` steps are known, its own or earlier calls', and it has made one of its own: the
-  first call with a drafter and settings pays ``warmup`` speculative steps, the next ones one;
+- a call is judged once it has made ``warmup`` speculative steps of its own: a step keeps 1 to 8 tokens at tau 2-4,
+  so one step cannot tell (judged after one step, a call at tau 3.9 on the 9B Qwen3.5 shape, where speculation
+  alone ran 1.98x autoregressive decoding, fell back after an unlucky first step whenever the remembered steps, of
+  other prompts, lost: 1.46x);
 - a call falls back to autoregressive decoding, for the rest of the call, when its recent steps (earlier calls'
   included) lose and all its own steps together lose too, so that a call where speculation pays is not held back by
   the history, and one where it pays by a little is not ended by a few unlucky steps (a window of a few steps,
-  tested at every step, loses by chance sooner or later at tau 2-3, where a step keeps 1 to 8 tokens);
+  tested at every step, loses by chance sooner or later at tau 2-3);
 - after a call that fell back, the next calls start autoregressively while the remembered steps still lose: 1 call,
   then 2, 4, ... up to ``MAX_BACKOFF`` after each further call that falls back (the calls in between re-probe
-  speculation, one step or more); a call judged that speculates to its end resets the back-off.
+  speculation, ``warmup`` steps or more); a call judged that speculates to its end resets the back-off.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def cost_per_token(steps: list[tuple[float, int]]) -> float:
 class FallbackPolicy:
     ar_seconds: float                     # one autoregressive step (= one token) on this device
     memory: FallbackMemory = field(default_factory=FallbackMemory)
-    warmup: int = 4                       # steps known before judging (the first ones capture graphs)
+    warmup: int = 4                       # a call's own steps before it is judged
     window: int = 8                       # recent steps judged, and remembered
     own_steps: int = 0                    # steps observed in this call
     own_seconds: float = 0.0              # their time
@@ -84,7 +86,7 @@ class FallbackPolicy:
                 f"autoregressive step {self.ar_seconds * 1e3:.2f} ms")
 
     def judged(self) -> bool:
-        return self.own_steps > 0 and len(self.steps) >= self.warmup
+        return self.own_steps >= self.warmup
 
     def verdict(self) -> str | None:
         """Why to fall back now, or ``None`` to keep speculating."""
