@@ -8,7 +8,6 @@ leaks into other test modules. With a GPU the same tests run compiled at the fla
 allocate starts poisoned with NaN, so an element a kernel forgets to write fails the test.
 """
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -663,7 +662,7 @@ def test_shipped_step_configs_are_tested_launches():
     from specla_kernels import gemv
     if not tuning.STEP_CONFIGS_FILE.exists():
         pytest.skip("no step-tuned table shipped")
-    products = [e for run in json.loads(tuning.STEP_CONFIGS_FILE.read_text())["runs"] for e in run["products"]]
+    products = tuning.step_config_entries()
     assert products and set(tuning.load_step_configs()) == {
         (e["device"], e["dtype"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]) for e in products}
     meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731

@@ -16,14 +16,19 @@ from pathlib import Path
 STEP_CONFIGS_FILE = Path(__file__).with_name("gemv_step_configs.json")
 
 
-def load_step_configs(path: Path = STEP_CONFIGS_FILE) -> dict[tuple, dict]:
-    """``{product_key: launch}`` from a file ``benchmarks/tune_step.py`` wrote (none: ``{}``), over all its runs (one
-    per GPU and model shape); ``launch`` is ``split`` (columns per program, 0 for the row-owner kernel) and the
-    kernel's launch shape."""
+def step_config_entries(path: Path = STEP_CONFIGS_FILE) -> list[dict]:
+    """The product entries of a file ``benchmarks/tune_step.py`` wrote (none: ``[]``), over all its runs (one per GPU
+    and model shape)."""
     if not path.exists():
-        return {}
+        return []
+    return [e for run in json.loads(path.read_text())["runs"] for e in run["products"]]
+
+
+def load_step_configs(path: Path = STEP_CONFIGS_FILE) -> dict[tuple, dict]:
+    """``{product_key: launch}`` of ``step_config_entries``; ``launch`` is ``split`` (columns per program, 0 for the
+    row-owner kernel) and the kernel's launch shape."""
     return {(e["device"], e["dtype"], e["N"], e["K"], e["PRO"], e["EPI"], e["KC"]): e["launch"]
-            for run in json.loads(path.read_text())["runs"] for e in run["products"]}
+            for e in step_config_entries(path)}
 
 
 @dataclass(frozen=True)
