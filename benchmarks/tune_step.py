@@ -46,7 +46,6 @@ from specla_kernels import gemv, tuning
 
 MODEL_SHAPES = {"gdn-1.3b": "the embedded target inflated to the 1.3B GDN shape, bf16",
                 **{f"qwen3.5-{size}": f"a random-weight Qwen3.5 of hybrid_bench's {size} shape, bf16" for size in SHAPES}}
-DEVICE = "cuda"
 COMPILE_LAYERS = 4        # a Qwen3.5 cut to its first layers for the compile workers: three GDN, one attention
 NAMES = {(gemv.NORM.value, gemv.CONV.value): "in_proj", (gemv.GATED_NORM.value, gemv.NO_EPILOGUE.value): "o_proj",
          (gemv.NORM_ADD.value, gemv.NO_EPILOGUE.value): "gate_up", (gemv.SWIGLU.value, gemv.RESIDUAL.value): "down",
@@ -59,11 +58,12 @@ def name(key: tuple) -> str:
 
 
 class Step:
-    """The one-token step of ``shape``'s model (cut to ``layers`` if given) on a fresh cache, to capture and time."""
+    """The one-token step of ``shape``'s model (a Qwen3.5 cut to ``layers`` if given) on a fresh cache, to capture
+    and time."""
 
     def __init__(self, shape: str, layers: int | None = None):
         if shape == "gdn-1.3b":
-            models = load_models(device=DEVICE, dtype="bfloat16")
+            models = load_models(device="cuda", dtype="bfloat16")
             self.runner = GDNRunner(inflate_pair(models.target, models.drafter)[0], cuda_graphs=False)
         else:
             config = Qwen3_5TextConfig(**{**SHAPES[shape.removeprefix("qwen3.5-")],
@@ -71,7 +71,7 @@ class Step:
             default = torch.get_default_dtype()
             torch.set_default_dtype(torch.bfloat16)      # built in bf16: a 9B model's fp32 copy would not be needed
             try:
-                with torch.device(DEVICE):
+                with torch.device("cuda"):
                     model = Qwen3_5ForCausalLM(config).eval()
             finally:
                 torch.set_default_dtype(default)
@@ -79,7 +79,7 @@ class Step:
         if not self.runner.fused_step:
             raise SystemExit("this model's one-token step does not take the fused GEMV path: nothing to tune")
         self.cache = self.runner.new_cache(1, max_length=64)
-        self.token = torch.tensor([[7]], device=DEVICE)
+        self.token = torch.tensor([[7]], device="cuda")
 
     def run(self) -> torch.Tensor:
         return self.runner._decode_step(self.token, self.cache)
@@ -132,15 +132,14 @@ def compile_share(shape: str, share: int, shares: int) -> tuple[int, float]:
     """A compile worker: launch every ``shares``-th candidate of each product from the ``share``-th on once, which
     compiles it into Triton's cache for the timing process. Returns (launches, seconds)."""
     t0 = time.perf_counter()
-    step = Step(shape, layers=None if shape == "gdn-1.3b" else COMPILE_LAYERS)
+    step = Step(shape, layers=COMPILE_LAYERS)
     launched = 0
     for weight, x, fused in step.products().values():
         for cand in gemv.launch_candidates(weight, x, **fused)[share::shares]:
             launch = dict(cand)
             gemv.gemv(weight, x, **fused, split=launch.pop("split"), config=launch)
             launched += 1
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return launched, time.perf_counter() - t0
 
 
