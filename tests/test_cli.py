@@ -79,6 +79,14 @@ def test_generate_streams_the_greedy_text_then_a_stats_line(ckpts):
     assert drafter == f"{ckpts['drafter']} (draft model)"
 
 
+@pytest.mark.parametrize("specla_seconds, pace", [(1.0, "level"), (1.003, "level"), (1.006, "slower"),
+                                                   (0.994, "faster")])
+def test_the_verdict_agrees_with_the_speedup_as_printed(specla_seconds, pace):
+    from specla_hf.app.runs import Comparison, Run
+    result = Comparison(specla=Run(tokens=[0] * 30, seconds=specla_seconds), plain=Run(tokens=[0] * 30, seconds=1.0))
+    assert result.pace == pace, f"{result.speedup:.2f}x"
+
+
 def test_sampling_options_reach_generate_and_a_seed_repeats_a_run(ckpts):
     """--top-k 1 sampling is greedy decoding; a seeded sampled run repeats, and differs from greedy (the random
     target's distributions are flat). --no-fallback and --fixed-shape: when the fallback switches and which shape a

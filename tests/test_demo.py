@@ -104,7 +104,7 @@ def test_browser_fills_both_panes(server, ckpts, tmp_path):
             # the summary says which decoder was faster, and its ratio is that of the tokens/s under the panes
             summary = page.locator("#summary").inner_text()
             speedup = float(re.search(r"ran at ([\d.]+)× the tokens/s of plain decoding", summary).group(1))
-            verdict = "slower than plain decoding" if speedup < 1 else "faster than plain decoding"
+            verdict = ("slower than" if speedup < 1 else "level with" if speedup == 1 else "faster than") + " plain decoding"
             assert f"{verdict} on this cpu" in summary, summary
             specla_tps, plain_tps = (float(re.search(r"([\d.]+) tokens/s", page.locator(pane).inner_text()).group(1))
                                      for pane in ("#specla-stats", "#plain-stats"))

@@ -157,7 +157,7 @@ def stats_line(result: Comparison, settings: DecodeSettings, models: Models) -> 
     line = (f"specla: {len(spec.tokens)} tokens, SpecLA {'tree' if settings.tree else 'chain'} "
             f"{spec.tokens_per_second:.1f} tok/s (tau {spec.stats.tau:.2f} over {spec.stats.steps} steps{mode}), "
             f"plain {plain.tokens_per_second:.1f} tok/s, speedup {result.speedup:.2f}x"
-            f"{' (SpecLA slower)' if result.speedup < 1 else ''}, drafter {models.drafter_name}")
+            f"{' (SpecLA slower)' if result.pace == 'slower' else ''}, drafter {models.drafter_name}")
     if settings.greedy:
         line += ", identical to plain" if result.identical else \
             f", DIFFERS from plain at token {_first_difference(spec.tokens, plain.tokens)}"

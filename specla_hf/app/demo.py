@@ -255,7 +255,7 @@ def _plain_line(n: int, seconds: float) -> str:
 
 def _summary(result: Comparison, s: DecodeSettings, device: str) -> str:
     speedup = result.speedup
-    pace = "slower than plain decoding" if speedup < 1 else "faster than plain decoding"
+    pace = {"slower": "slower than", "level": "level with", "faster": "faster than"}[result.pace] + " plain decoding"
     line = (f"### SpecLA ran at {speedup:.2f}× the tokens/s of plain decoding: {pace} on this {device}, "
             f"τ = {result.specla.stats.tau:.2f}")
     if s.greedy:

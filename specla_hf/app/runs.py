@@ -93,6 +93,13 @@ class Comparison:
         return self.specla.tokens_per_second / plain if plain else float("nan")
 
     @property
+    def pace(self) -> str:
+        """"slower", "level" or "faster", judged on the speedup as the apps print it (two decimals), so a 0.997x
+        never reads "1.00x, slower"."""
+        shown = round(self.speedup, 2)
+        return "slower" if shown < 1 else "level" if shown == 1 else "faster"
+
+    @property
     def identical(self) -> bool:
         return self.specla.tokens == self.plain.tokens
 
