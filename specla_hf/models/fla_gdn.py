@@ -133,25 +133,6 @@ class GDNRunner(GraphedAdapter):
             if block.mlp.hidden_act == "swish":
                 fuse_mlp_weights(block.mlp)
 
-    @classmethod
-    def for_model(cls, model: GatedDeltaNetForCausalLM, role: str = "target") -> "GDNRunner":
-        """The model's runner, kept on the model so that captured CUDA graphs serve every generate() call."""
-        key = f"_specla_runner_{role}"     # a model may serve as target and as drafter: one runner (cache) each
-        runner = model.__dict__.get(key)
-        # graphs and caches are bound to the device and dtype the runner was built for
-        if runner is None or runner.built_for != (model.device, model.dtype):
-            runner = cls(model, role)
-            model.__dict__[key] = runner
-        return runner
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
     def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> SpecLACache:
         """A fresh (zero) cache (a recurrent state: ``max_length`` asks for nothing). With CUDA graphs the runner's
         one cache per batch size is reset and returned: the graphs are bound to its tensors, so a runner drives one

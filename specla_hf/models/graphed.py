@@ -187,6 +187,28 @@ class GraphedAdapter:
 
     graphs: ForwardGraphs | None
     bucket_trees: bool
+    model: torch.nn.Module
+    built_for: tuple[torch.device, torch.dtype]     # the model's device and dtype when the adapter was built
+
+    @classmethod
+    def for_model(cls, model, role: str = "target"):
+        """The model's adapter for ``role``, kept on the model (one per role: a model may draft for itself), so that
+        captured CUDA graphs serve every generate() call; built again once the model has moved to another device or
+        dtype, as graphs and caches are bound to those."""
+        key = f"_specla_runner_{role}"
+        runner = model.__dict__.get(key)
+        if runner is None or runner.built_for != (model.device, model.dtype):
+            runner = cls(model, role)
+            model.__dict__[key] = runner
+        return runner
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     def _init_graphs(self, cuda_graphs: bool | None, max_seq_tokens: int, bucket_trees: bool | None = None) -> None:
         """``graphs`` (``cuda_graphs``: default on for a model on CUDA), ``bucket_trees`` (default: with graphs) and

@@ -220,25 +220,6 @@ class HybridRunner(GraphedAdapter):
         heads = [n for m in self._attention_modules() if self.fused_attention for n in (m.q_norm, m.k_norm)]
         return (self._hidden_norms() if self.one_kernel_norms else []) + heads
 
-    @classmethod
-    def for_model(cls, model, role: str = "target") -> "HybridRunner":
-        """The model's runner for ``role``, kept on the model (one per role: a model may draft for itself), so that
-        captured CUDA graphs serve every generate() call."""
-        key = f"_specla_runner_{role}"
-        runner = model.__dict__.get(key)
-        if runner is None or runner.built_for != (model.device, model.dtype):
-            runner = cls(model, role)
-            model.__dict__[key] = runner
-        return runner
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
     def new_cache(self, batch_size: int = 1, max_length: int | None = None) -> SpecLACache:
         """A fresh cache: a ``SpecLALayer`` per GDN layer, a ``SpecLAAttentionLayer`` per attention layer, room for
         ``max_length`` positions. With CUDA graphs the runner's one cache per batch size is reset and returned (the
