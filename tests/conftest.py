@@ -14,6 +14,24 @@ import specla_hf  # noqa: F401  (installs the CPU torch path and generate(assist
 # threads spin-wait on each other for ~0.1 s per op
 torch.set_num_threads(1)
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+
+class CollectStreamer(BaseStreamer):
+    """What ``generate`` streams: the chunks it put (the prompt first), and whether it ended the stream."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for chunk in self.chunks for t in chunk]
 
 
 COMMON_WORDS = "the of and to in is that for it as with was on be by at this from".split()

@@ -5,22 +5,10 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper
 from transformers import MaxLengthCriteria, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
-from transformers.generation.streamers import BaseStreamer
 
-from conftest import tiny_gdn
+from conftest import CollectStreamer, tiny_gdn
 from specla_hf import GDNDrafter, GDNRunner, speculative_decode
 from specla_hf.generation import draft_options
-
-
-class Collect(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.flatten().tolist())
-
-    def end(self):
-        self.ended = True
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -113,11 +101,10 @@ def test_custom_stopping_criterion_and_exact_max_new_tokens(target):
 
 def test_streamer_gets_the_same_tokens(target, bad_drafter):
     ids = torch.randint(0, 97, (1, 6))
-    plain_s, spec_s = Collect(), Collect()
+    plain_s, spec_s = CollectStreamer(), CollectStreamer()
     target.generate(ids, max_new_tokens=15, do_sample=False, streamer=plain_s)
     target.generate(ids, max_new_tokens=15, do_sample=False, streamer=spec_s, assistant_model=bad_drafter)
-    flat = lambda chunks: [t for c in chunks for t in c]  # noqa: E731
-    assert flat(spec_s.chunks) == flat(plain_s.chunks)
+    assert spec_s.tokens == plain_s.tokens
     assert spec_s.chunks[0] == ids[0].tolist() and spec_s.ended
 
 

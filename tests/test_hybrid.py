@@ -7,11 +7,10 @@ import pytest
 import torch
 from transformers import (LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
                           TopKLogitsWarper)
-from transformers.generation.streamers import BaseStreamer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from conftest import record_calls
+from conftest import CollectStreamer, record_calls
 from hybrid_models import FAMILIES, MODEL_CLASSES, VOCAB, tiny_hybrid, tiny_qwen3_5_vl
 from test_generate import _chisq_pvalue, _exact_first_two, _sample_counts
 from specla_kernels import tuning
@@ -222,17 +221,6 @@ def test_vision_language_model_text_path():
     assert model.specla_stats.tau > 4
 
 
-class Collect(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.flatten().tolist())
-
-    def end(self):
-        self.ended = True
-
-
 def test_eos_streamer_scores_and_stopping_criteria():
     model = tiny_hybrid("qwen3_next", seed=3)
     ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(23))
@@ -265,10 +253,10 @@ def test_eos_streamer_scores_and_stopping_criteria():
     assert torch.equal(spec, plain) and stop.seen == seen_plain
 
     # a streamer gets the same tokens
-    plain_s, spec_s = Collect(), Collect()
+    plain_s, spec_s = CollectStreamer(), CollectStreamer()
     model.generate(ids, max_new_tokens=15, do_sample=False, streamer=plain_s)
     model.generate(ids, max_new_tokens=15, do_sample=False, streamer=spec_s, assistant_model=model)
-    assert [t for c in spec_s.chunks for t in c] == [t for c in plain_s.chunks for t in c] and spec_s.ended
+    assert spec_s.tokens == plain_s.tokens and spec_s.ended
 
     # output_scores / output_logits equal plain's
     kwargs = dict(max_new_tokens=9, do_sample=False, return_dict_in_generate=True, output_scores=True,

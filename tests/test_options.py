@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import specla_hf  # noqa: F401
+from conftest import CollectStreamer
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 PROMPT = "def fibonacci(n):\n"
@@ -67,28 +68,16 @@ def test_every_option_equals_plain_decoding(models, tree):
 
 
 def test_scores_logits_and_streamer_equal_plain(models):
-    from transformers.generation.streamers import BaseStreamer
-
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.tokens = []
-
-        def put(self, value):
-            self.tokens.append(value.flatten().tolist())
-
-        def end(self):
-            pass
-
     target, drafter, tok = models
     ids = tok(PROMPT, return_tensors="pt")
     kwargs = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_scores=True,
                   output_logits=True, repetition_penalty=1.2)
-    plain, plain_stream = target.generate(**ids, **kwargs, streamer=(a := Collect())), a
+    plain, plain_stream = target.generate(**ids, **kwargs, streamer=(a := CollectStreamer())), a
     spec, spec_stream = target.generate(**ids, **kwargs, assistant_model=drafter, tree=True,
-                                        streamer=(b := Collect())), b
+                                        streamer=(b := CollectStreamer())), b
     assert torch.equal(spec.sequences, plain.sequences) and target.specla_stats.steps < 24
     for got, want in ((spec.scores, plain.scores), (spec.logits, plain.logits)):
         assert len(got) == len(want) == 24
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-    assert sum(spec_stream.tokens, []) == sum(plain_stream.tokens, [])
+    assert spec_stream.tokens == plain_stream.tokens
