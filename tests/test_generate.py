@@ -192,12 +192,14 @@ def test_generate_samples_through_the_same_loop(target, bad_drafter):
     assert torch.equal(via_generate, direct)
 
 
-@pytest.mark.parametrize("acceptance", ["device", "host"])
-@pytest.mark.parametrize("tree", [False, True])
-def test_sampling_is_lossless(tree, acceptance):
+@pytest.mark.parametrize("tree, acceptance, sampled", [(False, "device", True), (True, "device", True),
+                                                       (False, "host", True), (True, "host", True),
+                                                       (True, "host", False)])
+def test_sampling_is_lossless(tree, acceptance, sampled):
     """5000 draws of (x1, x2) on a vocabulary of 8: the test detects a 2% shift of probability mass (see below).
     Temperature and top-k treat each row alone: the device loop accepts (``sample_accept``); a repetition penalty
-    reads each node's sequence: the host walks the tree (``accept_path``)."""
+    reads each node's sequence: the host walks the tree (``accept_path``). Drafts sampled from the drafter (the
+    default) and drafts of highest log-prob (``sampled_drafts=False``; on the device, the rule's own test below)."""
     torch.manual_seed(1234)
     target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
     drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
@@ -205,7 +207,8 @@ def test_sampling_is_lossless(tree, acceptance):
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)]
                                 + ([RepetitionPenaltyLogitsProcessor(1.5)] if acceptance == "host" else []))
     p1, p2 = _exact_first_two(target, ids, procs)
-    options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0)
+    options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0,
+                            sampled_drafts=sampled)
     c1, c12, _, where = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 5000, procs)
     assert where == {acceptance}
     assert _chisq_pvalue(c1, p1) > 1e-3
@@ -217,6 +220,26 @@ def test_sampling_is_lossless(tree, acceptance):
     biased[b] += 0.02
     expected_stat = 5000 * ((0.02 ** 2) / p1[a] + (0.02 ** 2) / p1[b])
     assert expected_stat > 20          # chi-square noncentrality well past the 1e-3 critical value (~24 at df 7)
+
+
+@pytest.mark.parametrize("acceptance", ["device", "host"])
+def test_sampled_drafts_from_the_targets_own_law_are_accepted(target, acceptance):
+    """A drafter with the target's law, sampling at temperature 1 (a random model: near-uniform laws). Sampled drafts
+    are accepted with probability min(1, p / q) = 1 up to rounding, so every step keeps its whole chain; drafts of
+    highest log-prob are accepted with the target's probability of each, rarely. On the device loop and the host
+    walk (a repetition penalty of 1, which changes nothing but is not row-wise)."""
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(8))
+    penalty = (dict(logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.0)]))
+               if acceptance == "host" else {})
+    tau = {}
+    for sampled in (True, False):
+        torch.manual_seed(2)
+        target.generate(ids, max_new_tokens=41, do_sample=True, temperature=1.0, assistant_model=target,
+                        draft_depth=4, confidence_threshold=0.0, adaptive_drafting=False,
+                        autoregressive_fallback=False, sampled_drafts=sampled, **penalty)
+        tau[sampled] = target.specla_stats.tau
+        assert target.specla_stats.acceptance == acceptance
+    assert tau[True] > 4.5 and tau[False] < 1.5, tau
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -373,6 +396,61 @@ def test_greedy_accept_is_the_host_walk():
         assert acc.path[:len(path)].tolist() == path and acc.emitted[:len(path)].tolist() == emitted, trial
         seen_lengths.add(len(path))
     assert len(seen_lengths) >= 5                              # deep acceptances were exercised, not only the root
+
+
+def test_sample_accept_of_drawn_children_follows_the_target_law():
+    """The device rule for sampled drafts alone (recursive rejection sampling): every trial draws the root's three
+    children and each depth-1 node's two without replacement from the drafter's laws (Gumbel top-k, as drafting
+    does), the target's law after a depth-1 node depending on its token; the first two emitted tokens (the second
+    drawn after the bonus where the step keeps one) follow the target's joint law (15000 draws, chi-square). The
+    drafter's laws are near the target's, so most trials accept drafts; under a rule that accepts a child twice as
+    often as it should, the same test fails."""
+    from specla_hf.loop.acceptance import sample_accept
+    from specla_kernels.reference import tree_ancestors
+    V = 5
+    gen = torch.Generator().manual_seed(4)
+    p_root, p_next = (torch.softmax(torch.randn(*shape, generator=gen) * 1.5, -1) for shape in ((V,), (V, V)))
+    q_root = torch.softmax(p_root.log() + 0.5 * torch.randn(V, generator=gen), -1)
+    q_next = torch.softmax(p_next.log() + 0.5 * torch.randn(V, V, generator=gen), -1)
+    #        node: 0  1  2  3  4  5  6  7  8 (padding)
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 2, -1])
+    ancestors = tree_ancestors(parents[None])[0]
+
+    def draw(q: torch.Tensor, k: int) -> torch.Tensor:
+        return (q.log() - torch.empty(V).exponential_().log()).topk(k).indices
+
+    def trial():
+        tokens = torch.zeros(9, dtype=torch.long)
+        tokens[1:4] = draw(q_root, 3)
+        tokens[4:6], tokens[6:8] = draw(q_next[tokens[1]], 2), draw(q_next[tokens[2]], 2)
+        # rows after the depth-2 nodes and the padding: read by nothing the test counts
+        probs = torch.cat([p_root[None], p_next[tokens[1:8]], p_root[None]])
+        drawn = torch.cat([q_root[None], q_next[tokens[1:8]], q_root[None]])
+        return sample_accept(tokens, parents, ancestors, probs, 4, drawn, 3)
+
+    def counts():
+        c12 = torch.zeros(V * V)
+        accepted = 0
+        for _ in range(15000):
+            acc = trial()
+            first, second = acc.emitted[:2].tolist()
+            if int(acc.length) == 1:       # the root's children all rejected: the next step draws after the bonus
+                second = int(torch.multinomial(p_next[first], 1))
+            c12[first * V + second] += 1
+            accepted += int(acc.length) > 1
+        return c12, accepted
+    torch.manual_seed(6)
+    c12, accepted = counts()
+    joint = (p_root[:, None] * p_next).flatten()
+    assert _chisq_pvalue(c12, joint) > 1e-3
+    assert accepted > 0.8 * 15000
+    real_rand = torch.rand
+    torch.rand = lambda *a, **k: real_rand(*a, **k) / 2
+    try:
+        c12, _ = counts()
+    finally:
+        torch.rand = real_rand
+    assert _chisq_pvalue(c12, joint) < 1e-3
 
 
 def test_sample_accept_follows_the_target_law():

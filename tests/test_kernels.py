@@ -891,7 +891,8 @@ def test_row_topk_matches_reference(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_expand_frontier_matches_reference(device):
     """The drafter's expansion step: candidates, next frontier and tree slots equal the torch reference exactly, for
-    a root (F = 1) and full frontiers, K from 1 to 6, with exact score ties and -inf log-probs."""
+    a root (F = 1) and full frontiers, K from 1 to 6, with exact score ties and -inf log-probs, children ranked by
+    their log-probs (drafts chosen by them) and by ranks of their own (sampled drafts)."""
     from specla_kernels.draft_expand import expand_frontier
     gen = seeded('expand')
     for F, K, n, base in [(1, 4, 1, 0), (4, 4, 5, 4), (3, 3, 10, 12), (1, 1, 1, 0), (6, 6, 13, 42), (2, 5, 7, 9)]:
@@ -901,16 +902,19 @@ def test_expand_frontier_matches_reference(device):
         top_token = torch.randint(0, 1000, (F, K), generator=gen)
         fs = -(torch.rand(F, generator=gen) * 2).round(decimals=1)
         fc = torch.randint(0, 50, (F,), generator=gen)
-        outs = []
-        for fn in (expand_frontier, ref.expand_frontier_ref):
-            cand = torch.full((3, 2, F * K + 3), 7.0, dtype=torch.float64)[:, 1]        # a strided depth row
-            tokens, parents = torch.full((n + K + 2,), -5), torch.full((n + K + 2,), -5)
-            nxt_s, nxt_c = torch.full((K,), 9.0), torch.full((K,), -9)
-            args = [t.to(device) for t in (top_logp, top_token, fs, fc, cand, tokens, parents, nxt_s, nxt_c)]
-            fn(*args, n, base)
-            outs.append(args[4:])
-        for got, want in zip(*outs):
-            assert torch.equal(got.cpu(), want.cpu()), (F, K)
+        own_rank = torch.maximum(top_logp, -(torch.rand(F, K, generator=gen)).cummax(1).values)
+        for top_rank in (top_logp, own_rank):
+            outs = []
+            for fn in (expand_frontier, ref.expand_frontier_ref):
+                cand = torch.full((3, 2, F * K + 3), 7.0, dtype=torch.float64)[:, 1]        # a strided depth row
+                tokens, parents = torch.full((n + K + 2,), -5), torch.full((n + K + 2,), -5)
+                nxt_s, nxt_c = torch.full((K,), 9.0), torch.full((K,), -9)
+                args = [t.to(device) for t in (top_logp, top_rank, top_token, fs, fc, cand, tokens, parents, nxt_s,
+                                               nxt_c)]
+                fn(*args, n, base)
+                outs.append(args[5:])
+            for got, want in zip(*outs):
+                assert torch.equal(got.cpu(), want.cpu()), (F, K)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

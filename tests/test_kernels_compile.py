@@ -106,7 +106,8 @@ def call_every_wrapper():
                    states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]),
                    windows=([x], [z(1, D, W)]))
     topk.row_topk(z(4, 16384), 4)
-    draft_expand.expand_frontier(z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long), z(4, dtype=f32),
+    draft_expand.expand_frontier(z(4, 4, dtype=f32), z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long),
+                                 z(4, dtype=f32),
                                  torch.zeros(4, dtype=torch.long), z(3, 64, dtype=torch.float64),
                                  torch.zeros(64, dtype=torch.long), torch.zeros(64, dtype=torch.long),
                                  z(4, dtype=f32), torch.zeros(4, dtype=torch.long), 5, 0)

@@ -1,8 +1,9 @@
 """Triton kernel: one depth of the drafter's tree expansion after its top-k (:func:`reference.expand_frontier_ref`).
 
-Given each frontier node's ``K`` best children (``row_topk`` of its draft log-probs), it records the ``F x K``
-candidates (cumulative score, token, parent candidate), picks the ``K`` best of them (ties to the lower candidate)
-as the next frontier, and writes their tree slots (token, parent node). In torch this is a dozen tiny kernels per
+Given each frontier node's ``K`` children (``row_topk`` of its draft log-probs, or draws from them) and their ranks
+for the tree's selection, it records the ``F x K`` candidates (frontier score + rank, token, parent candidate),
+picks the ``K`` of the best cumulative score (ties to the lower candidate) as the next frontier, and writes their
+tree slots (token, parent node). In torch this is a dozen tiny kernels per
 depth, each costing more in launch and dependency gaps than in work; here it is one program holding everything in
 registers.
 """
@@ -17,7 +18,7 @@ from specla_kernels.topk import top_k_slots
 
 @triton.jit
 def expand_frontier_kernel(
-    top_logp, top_token, frontier_score, frontier_cand,             # inputs: [F, K], [F, K], [F], [F]
+    top_logp, top_rank, top_token, frontier_score, frontier_cand,   # inputs: [F, K] x 3, [F], [F]
     cand, cand_stride,                                              # output: rows (score, token, parent) of [3, ...]
     tokens, parents, next_score, next_cand,                         # outputs: tree slots n.., next frontier [K]
     n, F, cand_base,
@@ -28,10 +29,11 @@ def expand_frontier_kernel(
     c = tl.arange(0, BC)                                            # candidate = frontier row * K + child rank
     m = c < F * K
     row = c // K
-    score = tl.load(frontier_score + row, mask=m, other=0.).to(tl.float32) + \
-        tl.load(top_logp + c, mask=m, other=float("-inf")).to(tl.float32)
+    base = tl.load(frontier_score + row, mask=m, other=0.).to(tl.float32)
+    score = base + tl.load(top_logp + c, mask=m, other=float("-inf")).to(tl.float32)
     token = tl.load(top_token + c, mask=m, other=0)
-    tl.store(cand + c, score.to(tl.float64), mask=m)
+    # fp32 sums, as the reference: with ranks at least the log-probs, a child never outranks its parent by rounding
+    tl.store(cand + c, (base + tl.load(top_rank + c, mask=m, other=0.).to(tl.float32)).to(tl.float64), mask=m)
     tl.store(cand + cand_stride + c, token.to(tl.float64), mask=m)
     tl.store(cand + 2 * cand_stride + c, tl.load(frontier_cand + row, mask=m, other=-1).to(tl.float64), mask=m)
     # the K best candidates, best first, ties to the lower index (row_topk's selection), and their tokens
@@ -45,9 +47,10 @@ def expand_frontier_kernel(
     tl.store(next_cand + slot, cand_base + best, mask=m_k)
 
 
-def expand_frontier(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_score: torch.Tensor,
-                    frontier_cand: torch.Tensor, cand: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                    next_score: torch.Tensor, next_cand: torch.Tensor, n: int, cand_base: int) -> None:
+def expand_frontier(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,
+                    frontier_score: torch.Tensor, frontier_cand: torch.Tensor, cand: torch.Tensor,
+                    tokens: torch.Tensor, parents: torch.Tensor, next_score: torch.Tensor, next_cand: torch.Tensor,
+                    n: int, cand_base: int) -> None:
     """Triton twin of ``expand_frontier_ref`` (same arguments, same in-place writes)."""
     F, K = top_logp.shape
     if cand.shape[0] != 3 or cand.dtype != torch.float64 or cand.stride(-1) != 1:
@@ -55,7 +58,8 @@ def expand_frontier(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_sc
     if any(not t.is_contiguous() for t in (tokens, parents, next_score, next_cand)):
         raise ValueError("the tree slots and the next frontier must be contiguous")
     expand_frontier_kernel[(1,)](
-        top_logp.contiguous(), top_token.contiguous(), frontier_score.contiguous(), frontier_cand.contiguous(),
+        top_logp.contiguous(), top_rank.contiguous(), top_token.contiguous(), frontier_score.contiguous(),
+        frontier_cand.contiguous(),
         cand, cand.stride(0), tokens, parents, next_score, next_cand, n, F, cand_base,
         K=K, BC=max(16, triton.next_power_of_2(F * K)), KP=max(16, triton.next_power_of_2(K)), num_warps=1,
     )

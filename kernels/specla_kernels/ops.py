@@ -130,12 +130,14 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.row_topk_ref(x, k)
 
 
-def expand_frontier(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_score: torch.Tensor,
-                    frontier_cand: torch.Tensor, cand: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                    next_score: torch.Tensor, next_cand: torch.Tensor, n: int, cand_base: int) -> None:
+def expand_frontier(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,
+                    frontier_score: torch.Tensor, frontier_cand: torch.Tensor, cand: torch.Tensor,
+                    tokens: torch.Tensor, parents: torch.Tensor, next_score: torch.Tensor, next_cand: torch.Tensor,
+                    n: int, cand_base: int) -> None:
     """One depth of the drafter's tree expansion after its top-k, in place (see ``expand_frontier_ref``)."""
     fn = _draft_expand.expand_frontier if use_triton(top_logp) else reference.expand_frontier_ref
-    fn(top_logp, top_token, frontier_score, frontier_cand, cand, tokens, parents, next_score, next_cand, n, cand_base)
+    fn(top_logp, top_rank, top_token, frontier_score, frontier_cand, cand, tokens, parents, next_score, next_cand, n,
+       cand_base)
 
 
 def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -276,18 +276,21 @@ def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[:, :k], indices[:, :k]
 
 
-def expand_frontier_ref(top_logp: torch.Tensor, top_token: torch.Tensor, frontier_score: torch.Tensor,
-                        frontier_cand: torch.Tensor, cand: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                        next_score: torch.Tensor, next_cand: torch.Tensor, n: int, cand_base: int) -> None:
+def expand_frontier_ref(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,
+                        frontier_score: torch.Tensor, frontier_cand: torch.Tensor, cand: torch.Tensor,
+                        tokens: torch.Tensor, parents: torch.Tensor, next_score: torch.Tensor, next_cand: torch.Tensor,
+                        n: int, cand_base: int) -> None:
     """One depth of the drafter's tree expansion, in place. The ``F`` frontier nodes (tree slots ``n - F .. n - 1``,
-    cumulative scores ``frontier_score [F]``, candidate numbers ``frontier_cand [F]``) have ``K`` best children each
-    (``top_logp``, ``top_token`` ``[F, K]``). Writes the ``F * K`` candidates into ``cand [3, >= F*K]`` (float64 rows:
-    cumulative score, token, parent candidate), picks the ``K`` best (ties to the lower candidate) as the next
-    frontier: their tokens and parent slots into ``tokens[n:n+K]``, ``parents[n:n+K]``, their scores and candidate
-    numbers (``cand_base`` + index) into ``next_score``, ``next_cand``."""
+    cumulative scores ``frontier_score [F]``, candidate numbers ``frontier_cand [F]``) have ``K`` children each
+    (``top_logp``, ``top_token`` ``[F, K]``), ranked for the tree's selection by ``top_rank [F, K]`` (``top_logp``
+    for drafts chosen by their log-probs). Writes the ``F * K`` candidates into ``cand [3, >= F*K]`` (float64 rows:
+    frontier score + rank, token, parent candidate), picks the ``K`` of the best cumulative score (ties to the lower
+    candidate) as the next frontier: their tokens and parent slots into ``tokens[n:n+K]``, ``parents[n:n+K]``, their
+    scores and candidate numbers (``cand_base`` + index) into ``next_score``, ``next_cand``."""
     F, K = top_logp.shape
     score = (frontier_score[:, None] + top_logp).flatten()
-    cand[0, :F * K] = score
+    cand[0, :F * K] = (frontier_score[:, None] + top_rank.float()).flatten()     # fp32 sums: a child never
+                                                                                 # outranks its parent by rounding
     cand[1, :F * K] = top_token.flatten()
     cand[2, :F * K] = frontier_cand[:, None].expand(F, K).flatten()
     best_score, best = (t[0] for t in row_topk_ref(score[None], K))

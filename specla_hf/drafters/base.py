@@ -8,7 +8,9 @@ draft node, and the bonus token of a step becomes the next step's root.
 confident frontier nodes (by cumulative draft probability) are expanded by one drafter pass, each gets its ``topk``
 best children, and at the end the global top-``budget`` nodes are submitted; nodes whose cumulative probability is
 under the (adaptive) confidence threshold are never submitted, and a depth whose best node falls under it ends the
-drafting. Subclasses say how one drafter pass scores the tree built so far.
+drafting. Subclasses say how one drafter pass scores the tree built so far. Under sampling (``sample_drafts``) a
+node's children are draws from the drafter's distribution instead, ranked for the submission by what their earlier
+siblings left (``sibling_ranks``), as the acceptance's rejection sampling requires.
 
 On the GPU drafting is host-bound unless the host stays out of the loop, so the tree lives in static device buffers
 (``DraftBuffers``) and each depth is one idempotent step on them (score the tree, take each frontier node's top-k,
@@ -38,7 +40,10 @@ from typing import NamedTuple
 
 import torch
 
+from transformers.generation.logits_process import LogitsProcessorList
+
 from specla_hf.drafters.options import DraftOptions
+from specla_hf.loop.acceptance import processor_key
 from specla_hf.models.graphed import tree_bucket
 from specla_hf.runtime.transfer import HostCopy, copy_in
 from specla_kernels import ops
@@ -48,7 +53,11 @@ from specla_kernels import ops
 class DraftTree:
     tokens: torch.Tensor          # [N] node 0 = pending token
     parents: torch.Tensor         # [N] parents[0] = -1, parents[i] < i
-    log_probs: torch.Tensor       # [N] cumulative draft log-probability (0 at the root)
+    log_probs: torch.Tensor       # [N] the selection's score: cumulative draft log-probability (0 at the root); for
+                                  # sampled drafts, the parent's and the log of the mass its earlier siblings left
+    # sampled drafts: the drafter's log-probs after each node over the target's vocabulary [N, vocab] (device), which
+    # its children were drawn from, in order (rows of childless nodes unused); None for drafts chosen by log-prob
+    draft_logq: torch.Tensor | None = None
 
     def __post_init__(self):
         self.children: list[list[int]] = [[] for _ in range(len(self.tokens))]
@@ -77,6 +86,11 @@ class DraftBuffers:
         self.cand = torch.stack([torch.full((depth, K * K), v, dtype=torch.float64, device=device)
                                  for v in (float("-inf"), 0.0, -1.0)])
         self.cand_score, self.cand_token, self.cand_parent = self.cand.unbind(0)
+        # sampled drafts: each expanded node's draft log-probs by tree slot (``node_logq``, allocated on first use),
+        # the slot each expanded candidate took, and the selected tree's nodes' slots
+        self.node_logq: torch.Tensor | None = None
+        self.slot_ids = torch.arange(self.capacity, device=device)
+        self.cand_slot = torch.zeros(depth * K * K, dtype=torch.long, device=device)
         self.frontier_score = torch.zeros(depth + 1, K, device=device)      # cumulative log-prob per frontier node
         self.frontier_cand = torch.full((depth + 1, K), -1, dtype=torch.long, device=device)  # its candidate index
         # each depth's best candidate score, read back for early stopping
@@ -88,6 +102,7 @@ class DraftBuffers:
         self.tree = torch.zeros(3, most, dtype=torch.float64, device=device)
         self.tree_tokens = torch.zeros(most, dtype=torch.long, device=device)
         self.tree_parents = torch.full((most,), -1, dtype=torch.long, device=device)
+        self.tree_slots = torch.zeros(most, dtype=torch.long, device=device)
         self.tree_host = HostCopy((3, most), torch.float64, device)
         self.verified = torch.zeros_like(self.tree)  # the device loop's copy of the tree its last step verified
         self.root_logp: torch.Tensor | None = None    # the root's draft log-probs when ``start`` consumed it
@@ -112,7 +127,13 @@ class DraftBuffers:
         K = self.topk
         return torch.cat([self.cand[:, 0, :K], self.cand[:, 1:depths].flatten(1)], 1)
 
-    def select_tree(self, depths: int, budget: int) -> None:
+    def node_logq_rows(self, vocab: int) -> torch.Tensor:
+        """The static ``[capacity, vocab]`` log-probs of each expanded node's draws, by tree slot (sampled drafts)."""
+        if self.node_logq is None or self.node_logq.shape[1] != vocab:
+            self.node_logq = torch.full((self.capacity, vocab), float("-inf"), device=self.tokens.device)
+        return self.node_logq
+
+    def select_tree(self, depths: int, budget: int, sampled: bool = False) -> None:
         """``select_tree_rows`` of every candidate of depths ``1..depths`` (no threshold) into ``tree``, on the device,
         in static shapes and without host synchronisation (it is captured as a CUDA graph); root = ``tokens[0]``."""
         K = self.topk
@@ -122,9 +143,11 @@ class DraftBuffers:
         # fill_, not item assignment: assigning a Python number copies a host scalar tensor, which a capture refuses
         self.tree[1, :1].fill_(-1)
         self.tree[2, :1].fill_(0)
-        select_tree_rows(score, token, parent, self.cand_depth[:score.shape[0]], n, self.tree)
+        chosen = select_tree_rows(score, token, parent, self.cand_depth[:score.shape[0]], n, self.tree)
         self.tree_tokens[:n + 1] = self.tree[0, :n + 1]
         self.tree_parents[:n + 1] = self.tree[1, :n + 1]
+        if sampled:
+            self.tree_slots[1:n + 1] = self.cand_slot[chosen]
 
     def queue_tree(self) -> None:
         """Start reading the selected tree back to the host (``read_tree``)."""
@@ -143,6 +166,17 @@ class DraftBuffers:
         return _tree_of_rows(self.verified[:, :n].cpu())
 
 
+def sibling_ranks(top_logq: torch.Tensor) -> torch.Tensor:
+    """The selection ranks of children drawn in order without replacement (``top_logq [F, K]``, their log-probs): the
+    log of the mass each draw was made from, ``1 - (the earlier siblings' probabilities)``. A child's rank depends on
+    its earlier siblings only, not on its own token, so which children a tree keeps is a prefix of the draws that
+    does not depend on the draw being tried, as the rejection sampling (``loop.acceptance``) requires; the rank is at
+    least the child's log-prob (a parent outranks its children) and falls from one sibling to the next."""
+    q = top_logq.double().exp()
+    left = (1 - (q.cumsum(1) - q)).clamp(min=0).log()
+    return torch.maximum(left, top_logq.double()).cummin(1).values.to(top_logq.dtype)
+
+
 def candidate_count(topk: int, depths: int) -> int:
     """Candidates of depths ``1..depths``: the root's ``topk`` children, then ``topk`` x ``topk`` a depth (``topk``
     nodes expanded); no tree of that depth holds more nodes."""
@@ -155,13 +189,14 @@ def candidate_depths(topk: int, depth: int) -> torch.Tensor:
 
 
 def select_tree_rows(score: torch.Tensor, token: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, n: int,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor) -> torch.Tensor:
     """The draft tree to verify: the ``n`` best candidates by cumulative log-prob (ties: the earlier candidate, i.e.
     the shallower), in topological order (by depth, best first), parents renumbered to tree nodes; written to
     ``out[:, 1:n + 1]`` (rows: tokens, parents, cumulative log-probs; column 0 is the root's). Candidates are numbered
     depth by depth and ``parent`` indexes them (-1: a child of the root). A parent always ranks above its children
     (they score no higher and come later), so the selection is prefix-closed without a check. The one selection rule,
-    run on the device (no threshold) and on the host (a threshold, its pruned candidates scored -inf)."""
+    run on the device (no threshold) and on the host (a threshold, its pruned candidates scored -inf). Returns the
+    chosen candidates, in tree order."""
     C = score.shape[0]
     chosen = torch.sort(score, descending=True, stable=True).indices[:n]
     chosen = chosen[torch.sort(depth[chosen], stable=True).indices]
@@ -171,6 +206,7 @@ def select_tree_rows(score: torch.Tensor, token: torch.Tensor, parent: torch.Ten
     out[0, 1:n + 1] = token[chosen]
     out[1, 1:n + 1] = torch.where(up >= 0, node[up.clamp(min=0)], 0)
     out[2, 1:n + 1] = score[chosen]
+    return chosen
 
 
 def _tree_of_rows(rows: torch.Tensor) -> DraftTree:
@@ -215,8 +251,12 @@ class DynamicTreeDrafter:
     # whether the drafter implements ``catch_up`` and ``advance``: the device loop then runs whenever its tree is
     # selected on the device (``device_tree``, no confidence threshold)
     catches_up_on_device: bool = False
-    # the token ids the drafter's log-probs are over, on the device (``MTPDrafter.restrict_vocabulary``); None: all
+    # the token ids the drafter's log-probs are over, on the device (``MTPDrafter.restrict_vocabulary``), and the
+    # target's vocabulary size they are part of; None: all
     draft_vocab: torch.Tensor | None = None
+    vocab_size: int | None = None
+    # whether ``_depth_step`` can draw children from the drafter's distribution (``sample_drafts``)
+    samples_drafts: bool = True
 
     def __init__(self, options: DraftOptions):
         self.options = options
@@ -226,6 +266,8 @@ class DynamicTreeDrafter:
         self.last_tree: DraftTree | None = None
         self.last_pruned = 0   # candidate nodes dropped by the threshold in the last proposal
         self.buffers: DraftBuffers | None = None
+        self.draft_sampling: LogitsProcessorList | None = None     # ``sample_drafts``
+        self._sampling_key: tuple | None = None
 
     # ---- what a subclass provides ----
     runner = None            # the drafter's adapter: its ``graphs`` say whether to use CUDA graphs
@@ -265,6 +307,17 @@ class DynamicTreeDrafter:
         """This drafter's static tree buffers (a subclass that keeps more per node returns its own kind)."""
         return DraftBuffers(self.options.topk, self.options.depth, self.runner.device)
 
+    def sample_drafts(self, processors: LogitsProcessorList | None) -> None:
+        """Before a generation: with ``processors`` (row-wise logits processors, the target's), each expanded node's
+        children are drawn without replacement from the drafter's distribution under them (Gumbel top-k), and the
+        tree carries those distributions (``DraftTree.draft_logq``), so that the acceptance takes a child with
+        probability ``min(1, p / q)`` and rejects into the residual (recursive rejection sampling,
+        ``loop.acceptance``): a drafter close to the target is then accepted nearly always, where the children of
+        highest draft log-prob are accepted with the target's probability of each. ``None`` (greedy decoding, or a
+        drafter that cannot, ``samples_drafts``): the ``topk`` children of highest draft log-prob."""
+        self.draft_sampling = processors if self.samples_drafts else None
+        self._sampling_key = None if self.draft_sampling is None else processor_key(self.draft_sampling)
+
     # ---- the expansion ----
     @property
     def threshold(self) -> float:
@@ -289,16 +342,44 @@ class DynamicTreeDrafter:
             logp = b.root_logp[None]                              # from ``start``
         else:
             logp = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))    # the frontier's log-probs
-        top_logp, top_token = ops.row_topk(logp, K)
+        top_logp, top_rank, top_token = self._children(logp, n - F, K)
         if self.draft_vocab is not None:                          # indices into the draft vocabulary: token ids
             top_token = self.draft_vocab[top_token]
         # record the F x K candidates, expand the K most confident (EAGLE-2): the next depth's frontier
-        ops.expand_frontier(top_logp, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
+        ops.expand_frontier(top_logp, top_rank, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
                             b.cand[:, d - 1], b.tokens, b.parents, b.frontier_score[d], b.frontier_cand[d], n,
                             0 if d == 1 else candidate_count(K, d - 1))
+        if self.draft_sampling is not None:       # where the next frontier's draws will be kept
+            b.cand_slot.index_copy_(0, b.frontier_cand[d], b.slot_ids[n:n + K])
         self.add_nodes(n, b.parents[n:n + K])
         if d == 1 and root_consumed:
             b.parents[1:1 + K].fill_(-1)      # the root is in the committed state: its children hang off that
+
+    def _children(self, logp: torch.Tensor, first: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Children of the frontier nodes in slots ``first..`` from their draft log-probs ``logp [F, vocab]``:
+        log-probs, selection ranks and tokens ``[F, k]``: the ``k`` of highest log-prob, or ``k`` draws without
+        replacement under ``draft_sampling`` (``sample_drafts``), their distributions kept by slot."""
+        if self.draft_sampling is None:
+            top_logp, top_token = ops.row_topk(logp, k)
+            return top_logp, top_logp, top_token
+        no_context = torch.empty(logp.shape[0], 0, dtype=torch.long, device=logp.device)
+        logq = torch.log_softmax(self.draft_sampling(no_context, logp.float()), -1)
+        self.buffers.node_logq_rows(logq.shape[-1])[first:first + logq.shape[0]] = logq
+        # Gumbel-max keys: their top k are k draws without replacement, in draw order
+        noise = torch.empty_like(logq).exponential_().clamp_(min=torch.finfo(logq.dtype).tiny).log_()
+        top_token = ops.row_topk(logq - noise, k)[1]
+        top_logq = logq.gather(1, top_token)
+        return top_logq, sibling_ranks(top_logq), top_token
+
+    def tree_draft_logq(self, slots: torch.Tensor) -> torch.Tensor:
+        """The draft log-probs after the tree nodes in ``slots`` (their expanded slots) over the target's vocabulary
+        (static shapes: the device loop captures it)."""
+        rows = self.buffers.node_logq.index_select(0, slots)
+        if self.draft_vocab is None:
+            return rows
+        full = rows.new_full((rows.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.draft_vocab] = rows
+        return full
 
     def _run(self, key: tuple, step, what: str) -> None:
         """``step()`` (idempotent, static shapes) as a CUDA-graph replay where the drafter runs graphs (captured on
@@ -306,7 +387,8 @@ class DynamicTreeDrafter:
         if self.runner.graphs is None:
             step()
         else:          # an interrupted capture may leave nodes pending: ``discard`` is its undo
-            self.runner.graphs.call((id(self.buffers), *key), step, what, between=self.cache.discard)
+            self.runner.graphs.call((id(self.buffers), *key, self._sampling_key), step, what,
+                                    between=self.cache.discard)
 
     def propose(self, input_ids: torch.LongTensor, max_depth: int | None = None) -> DraftTree:
         """Draft a tree after ``input_ids`` (``launch`` then ``collect``)."""
@@ -379,7 +461,8 @@ class DynamicTreeDrafter:
         selected, budget = None, self.budget
         if threshold <= 0 and depths:
             K = self.options.topk
-            self._run(("select", depths, budget), lambda: b.select_tree(depths, budget), "the tree selection")
+            sampled = self.draft_sampling is not None
+            self._run(("select", depths, budget), lambda: b.select_tree(depths, budget, sampled), "the tree selection")
             b.queue_tree()
             selected = 1 + min(budget, candidate_count(K, depths))
         self._launched = Launched(root, depths, budget, log_threshold, selected)
@@ -402,8 +485,11 @@ class DynamicTreeDrafter:
         candidates, then the same selection on the host with the candidates under the threshold pruned (their
         descendants score no higher, so they go too)."""
         root, depths, budget, log_threshold, selected = self._launched
+        sampled = self.draft_sampling is not None and depths > 0
         if selected is not None:
             tree = self.buffers.read_tree(selected)
+            if sampled:
+                tree.draft_logq = self.tree_draft_logq(self.buffers.tree_slots[:selected])
             self.last_tree, self.last_pruned = tree, 0
             return tree
         rows = torch.tensor([[float(int(root))], [-1.0], [0.0]], dtype=torch.float64)
@@ -413,9 +499,12 @@ class DynamicTreeDrafter:
             keep = score >= log_threshold
             n, pruned = min(budget, int(keep.sum())), int((~keep).sum())
             rows = torch.cat([rows, rows.new_empty(3, n)], 1)
-            select_tree_rows(score.masked_fill(~keep, float("-inf")), token, parent,
-                             candidate_depths(self.options.topk, depths), n, rows)
+            chosen = select_tree_rows(score.masked_fill(~keep, float("-inf")), token, parent,
+                                      candidate_depths(self.options.topk, depths), n, rows)
         tree = _tree_of_rows(rows)
+        if sampled:
+            slots = torch.cat([chosen.new_zeros(1), self.buffers.cand_slot.cpu()[chosen]])
+            tree.draft_logq = self.tree_draft_logq(slots.to(self.buffers.cand_slot.device))
         self.last_tree, self.last_pruned = tree, pruned
         return tree
 

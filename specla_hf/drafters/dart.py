@@ -116,6 +116,8 @@ class DartDrafter(EagleDrafter):
     capped at ``draft_slots + 1``; ``topk`` / ``budget`` / ``threshold`` / ``adaptive`` mean what they mean for
     EAGLE."""
 
+    samples_drafts = False       # a node's children come from its n-gram-reranked candidate list, not one distribution
+
     def __init__(self, drafter: SpecLADartDrafter, target, options: DraftOptions):
         cfg = drafter.config
         options = dataclasses.replace(options, depth=min(options.depth, cfg.draft_slots + 1))
@@ -152,7 +154,7 @@ class DartDrafter(EagleDrafter):
         if d == 1:
             self._draft_depths(root_consumed)
         top_logp, top_token = self._children(b.depth_logp[d - 1], b.tokens[n - F:n], K)
-        ops.expand_frontier(top_logp, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
+        ops.expand_frontier(top_logp, top_logp, top_token, b.frontier_score[d - 1, :F], b.frontier_cand[d - 1, :F],
                             b.cand[:, d - 1], b.tokens, b.parents, b.frontier_score[d], b.frontier_cand[d], n,
                             0 if d == 1 else candidate_count(K, d - 1))
 

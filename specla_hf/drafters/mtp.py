@@ -294,3 +294,4 @@ class MTPTreeDrafter(EagleDrafter):
         top = decoder.config.num_hidden_layers
         self._bind(mtp, _MTPRunner.for_drafter(mtp, target), (top,), top, decoder.norm)
         self.draft_vocab = self.runner.draft_vocab
+        self.vocab_size = self.runner.lm_head.weight.shape[0]

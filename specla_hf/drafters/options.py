@@ -17,6 +17,8 @@ class DraftOptions:
     threshold: float = 0.0                # cumulative-confidence floor for submitted nodes (0 = no pruning)
     adaptive: bool = True                 # recalibrate the threshold from observed acceptance, and choose each
                                           # proposal's depth and budget up to these (``loop.shapes``)
+    sampled: bool = True                  # under sampling, draw each node's children from the drafter's
+                                          # distribution (``DynamicTreeDrafter.sample_drafts``), not its top-k
 
     def __post_init__(self):
         for name, value in (("draft_depth", self.depth), ("tree_topk", self.topk), ("tree_budget", self.budget)):

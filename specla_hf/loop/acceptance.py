@@ -3,7 +3,9 @@
 ``accept_path`` walks a tree on the host with the target's processed distributions (any logits processor, sampling);
 ``greedy_accept`` (plain greedy decoding) and ``sample_accept`` (sampling under logits processors that treat each
 row alone, ``row_wise``) are the same rule as device tensor ops (static shapes, no host synchronisation: the device
-loop captures them in a CUDA graph). Tests check that greedy walks agree on random trees and that sampled outputs
+loop captures them in a CUDA graph). Under sampling, drafts drawn from the drafter (the default,
+``DynamicTreeDrafter.sample_drafts``) go through recursive rejection sampling, drafts of highest log-prob through its
+case of a drafter certain of each. Tests check that greedy walks agree on random trees and that sampled outputs
 follow the target's law.
 """
 from __future__ import annotations
@@ -54,11 +56,15 @@ def accept_path(tree, logits: torch.Tensor | None, context: torch.LongTensor | N
                 logits_processor: LogitsProcessorList, do_sample: bool, argmax: list[int] | None = None) -> Acceptance:
     """Walk ``tree`` (a ``DraftTree``) from the root with the target's distributions after each node.
 
-    Greedy: follow the child equal to the target's argmax. Sampling: the children of a node are candidates chosen
-    deterministically by the drafter, tried in order: accept ``x`` with probability ``p(x)``, otherwise set
-    ``p(x) = 0`` and renormalise; if all fail, the bonus token is sampled from what is left of ``p``. This reproduces
-    plain sampling from ``p`` exactly (a sequence of exact rejection steps). ``p`` is the target's distribution after
-    the same logits processors plain decoding applies, evaluated on the node's own ``context``.
+    Greedy: follow the child equal to the target's argmax. Sampling: a node's children are tried in order. Drafts
+    chosen by the drafter's ranking (``tree.draft_logq`` None): accept ``x`` with probability ``p(x)``, otherwise set
+    ``p(x) = 0`` and renormalise. Sampled drafts (drawn without replacement from ``q``, the drafter's distribution
+    after the node, ``tree.draft_logq``): accept ``x`` with probability ``min(1, p(x) / q(x))``, otherwise continue
+    with the residual ``p = norm(max(p - q, 0))`` and ``q`` without ``x``, renormalised (recursive rejection
+    sampling; drafts chosen by rank are its case of a ``q`` that is certain of each). If all fail, the bonus token is
+    sampled from what is left of ``p``. Each is an exact rejection step, so this reproduces plain sampling from
+    ``p``. ``p`` is the target's distribution after the same logits processors plain decoding applies, evaluated on
+    the node's own ``context``.
     ``argmax``: every node's argmax, given for plain greedy decoding (no logits processors), which then reads
     ``logits`` only to return them as scores (``None``: no scores).
     """
@@ -83,13 +89,21 @@ def accept_path(tree, logits: torch.Tensor | None, context: torch.LongTensor | N
                 nxt = next((c for c in kids if tokens[c] == choice), None)
             else:
                 p = torch.softmax(score[0], -1)
+                q = None if tree.draft_logq is None or not kids else tree.draft_logq[node].to(p.device).exp()
                 nxt = None
                 for c in kids:
-                    if torch.rand(()) < p[tokens[c]]:
+                    x = tokens[c]
+                    if q is None:
+                        if torch.rand(()) < p[x]:
+                            nxt = c
+                            break
+                        p[x] = 0
+                        p = p / p.sum()
+                        continue
+                    if q[x] > 0 and torch.rand(()) * q[x] < p[x]:
                         nxt = c
                         break
-                    p[tokens[c]] = 0
-                    p = p / p.sum()
+                    p, q = _residual(p, q), _without(q, x)
                 choice = tokens[nxt] if nxt is not None else int(torch.multinomial(p, 1))
         emitted.append(choice)
         if nxt is None:
@@ -98,6 +112,25 @@ def accept_path(tree, logits: torch.Tensor | None, context: torch.LongTensor | N
         path.append(node)
         if processed:
             ctx = torch.cat([ctx, ctx.new_tensor([[choice]])], 1)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejected draw from ``q`` leaves of ``p`` (last dim): ``norm(max(p - q, 0))``; ``p`` itself where
+    nothing is left (``p == q`` up to rounding, where a rejection has no chance but rounding's)."""
+    rest = (p - q).clamp(min=0)
+    total = rest.sum(-1, keepdim=True)
+    return torch.where(total > 0, rest / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+
+
+def _without(q: torch.Tensor, x: torch.Tensor | int) -> torch.Tensor:
+    """``q`` (last dim) with the drawn token ``x`` removed, renormalised: the law of the next draw without
+    replacement (all zero once nothing is left: no further child can be accepted)."""
+    q = q.clone()
+    if isinstance(x, int):
+        q[x] = 0
+    else:
+        q.scatter_(-1, x[:, None], 0)
+    return q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
 
 
 @dataclass
@@ -127,15 +160,19 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
 
 
 def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, probs: torch.Tensor,
-                  cap: int) -> DeviceAcceptance:
+                  cap: int, draft_probs: torch.Tensor | None = None, siblings: int = 1) -> DeviceAcceptance:
     """``accept_path``'s sampling rule as device tensor ops: ``probs [N, vocab]`` is the target's processed
-    distribution after each node (the rest as ``greedy_accept``).
+    distribution after each node (the rest as ``greedy_accept``); ``draft_probs [N, vocab]``, for sampled drafts,
+    the drafter's distribution after each node, which its children (at most ``siblings``) were drawn from.
 
     The host tries a node's children in order, accepting child ``c`` with probability ``p(c)`` renormalised over what
     its earlier siblings' rejections left, and samples the bonus from what all of them left. Here every node draws
     its uniform up front (the host draws one per child it reaches: the same law), hits with that chance (zero for a
     token an earlier sibling already tried), and matches when it hits and no earlier sibling hit; the bonus is an
-    exponential race over the last node's distribution with its children's tokens removed."""
+    exponential race over the last node's distribution with its children's tokens removed. Sampled drafts go
+    through ``_sample_accept_drawn``."""
+    if draft_probs is not None:
+        return _sample_accept_drawn(tokens, parents, ancestors, probs, draft_probs, cap, siblings)
     N = tokens.shape[0]
     idx = torch.arange(N, device=tokens.device)
     p = probs[parents.clamp(min=0), tokens]                      # each node's chance under its parent's law
@@ -150,6 +187,42 @@ def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
         rest = probs.index_select(0, node)[0]
         children = (parents == node).to(rest.dtype)
         rest = rest * (torch.zeros_like(rest).scatter_add(0, tokens, children) == 0)
+        return (rest / torch.empty_like(rest).exponential_()).argmax().view(1)
+    return _walk(tokens, ancestors, match, bonus, cap)
+
+
+def _sample_accept_drawn(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, probs: torch.Tensor,
+                         draft_probs: torch.Tensor, cap: int, siblings: int) -> DeviceAcceptance:
+    """``sample_accept`` for children drawn from ``draft_probs``: the host's recursive rejection sampling, every node
+    at once, one sibling rank at a time. Each parent holds its residual ``p`` and its ``q`` without the draws tried so
+    far; the child of rank ``r`` hits with chance ``min(1, p(x) / q(x))`` of its parent's rows after ranks ``< r``,
+    and matches when it hits and no earlier sibling hit; the bonus is an exponential race over the last node's
+    residual after all its children."""
+    N = tokens.shape[0]
+    idx = torch.arange(N, device=tokens.device)
+    earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])
+    rank = earlier.sum(1)
+    # child_of[u, r]: node u's child of rank r, or N (none); a padding column takes what does not belong
+    child_of = torch.full((N + 1, siblings + 1), N, dtype=torch.long, device=tokens.device)
+    drafted = (parents >= 0) & (rank < siblings)
+    child_of[torch.where(drafted, parents, N), torch.where(drafted, rank, siblings)] = idx
+    child_of = child_of[:N, :siblings]
+    p, q = probs.float(), draft_probs.float()
+    u = torch.rand(N, device=tokens.device)
+    hit = torch.zeros(N + 1, dtype=torch.bool, device=tokens.device)
+    for r in range(siblings):
+        child = child_of[:, r]
+        has = child < N
+        x = tokens[child.clamp(max=N - 1)][:, None]
+        px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+        hit[child] = has & (qx > 0) & (u[child.clamp(max=N - 1)] * qx < px)
+        p = torch.where(has[:, None], _residual(p, q), p)
+        q = torch.where(has[:, None], _without(q, x[:, 0]), q)
+    hit = hit[:N]
+    match = torch.where(parents >= 0, hit & ~(earlier & hit[None, :]).any(1), idx == 0)
+
+    def bonus(node: torch.Tensor) -> torch.Tensor:
+        rest = p.index_select(0, node)[0]
         return (rest / torch.empty_like(rest).exponential_()).argmax().view(1)
     return _walk(tokens, ancestors, match, bonus, cap)
 

@@ -28,8 +28,8 @@ from torch.profiler import record_function
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from specla_hf.loop.acceptance import (DeviceAcceptance, accept_path, greedy_accept, processor_key, row_wise,
-                                      row_wise_probs, sample_accept)
+from specla_hf.loop.acceptance import (ROW_WISE_PROCESSORS, DeviceAcceptance, accept_path, greedy_accept,
+                                      processor_key, row_wise, row_wise_probs, sample_accept)
 from specla_hf.loop.autoregressive import ARDriver, ar_step_seconds
 from specla_hf.loop.policy import FallbackPolicy, speculation_memory
 from specla_hf.loop.shapes import ShapePolicy
@@ -126,7 +126,8 @@ class DeviceDriver:
                  sampling: LogitsProcessorList | None = None):
         self.target, self.drafter, self.cache, self.stats, self.shapes = target, drafter, cache, stats, shapes
         self.max_length, self.sampling = max_length, sampling
-        self.rule = ("greedy",) if sampling is None else ("sampling", processor_key(sampling))
+        self.rule = ("greedy",) if sampling is None else ("sampling", processor_key(sampling),
+                                                          drafter.draft_sampling is not None)
         self.cap = drafter.options.depth + 1
         self.readback = HostCopy((1 + 2 * self.cap,), torch.long, target.device)
         self.tree_readback = HostCopy(tuple(drafter.buffers.verified.shape), torch.float64, target.device)
@@ -188,8 +189,11 @@ class DeviceDriver:
         if self.sampling is None:
             acc = greedy_accept(tokens[0], parents[0], ancestors, out.logits[0].argmax(-1), self.cap)
         else:
+            drafter = self.drafter
+            drawn = (None if drafter.draft_sampling is None else
+                     drafter.tree_draft_logq(drafter.buffers.tree_slots[:n]).exp())
             acc = sample_accept(tokens[0], parents[0], ancestors, row_wise_probs(self.sampling, out.logits[0]),
-                                self.cap)
+                                self.cap, drawn, drafter.options.topk)
         self.cache.commit(acc.node, path=(acc.path[None], acc.length))
         self.drafter.catch_up(out.hidden_states, acc)
         return acc
@@ -258,6 +262,9 @@ def speculative_decode(target, drafter, input_ids: torch.LongTensor, logits_proc
     def captures() -> int:
         return sum(g.captures for g in graph_sets)
     if drafter is not None:
+        # under sampling the drafter draws its children from its distribution under the target's row-wise processors
+        drafter.sample_drafts(LogitsProcessorList(p for p in logits_processor if type(p) in ROW_WISE_PROCESSORS)
+                              if do_sample and drafter.options.sampled else None)
         memory = speculation_memory(target, drafter, logits_processor, do_sample)
         shapes = ShapePolicy(drafter.options, memory.shapes, target.device, captures)
         if fallback:
