@@ -41,6 +41,8 @@ METHODS = {
     "chain": ("eagle", dict(tree=False, confidence_threshold=0.0)),
     "tree": ("eagle", dict(tree=True, confidence_threshold=0.0)),
     "tree_fixed": ("eagle", dict(tree=True, confidence_threshold=0.0, adaptive_drafting=False)),
+    # under sampling, each node's top-k children instead of draws from the drafter (greedy: "tree", not run)
+    "tree_topk_drafts": ("eagle", dict(tree=True, confidence_threshold=0.0, sampled_drafts=False)),
     "tree_pruned": ("eagle", dict(tree=True, confidence_threshold=0.05)),
     "dart": ("dart", dict(tree=True, confidence_threshold=0.0)),
 }
@@ -229,6 +231,8 @@ def measure(args) -> None:
 
     for method in args.methods.split(","):
         drafter, kw = METHODS[method]
+        if kw.get("sampled_drafts") is False:        # a sampling rule: under greedy decoding it is another method's
+            continue
         for scale in map(float, args.noise.split(",")):
             noise.set(scale)
             ms, stats = timed(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],

@@ -8,7 +8,10 @@ decoding: any target ``AutoModelForCausalLM`` loads and SpecLA drives (fla GDN o
 ``--per-set`` prompts of each, as raw text); ``layer-skip`` drafts with the target's first block, ``mtp`` with the MTP
 head in the target's checkpoint. tau counts the tokens a verify pass emits: accepted drafts plus the target's own,
 over all prompts together. Every prompt decodes to ``--max-new-tokens`` (no EOS), in float32 (on a CPU one thread;
-on a GPU with TF32 off, so that the comparison with plain decoding is exact).
+on a GPU with TF32 off, so that the comparison with plain decoding is exact). ``--temperatures 0.7 1.0`` adds tau
+under sampling at each temperature, in the configured shapes (``adaptive_drafting=False``: acceptance, not the shape
+a device's timings choose), with drafts drawn from the drafter (the default) and its top-k drafts
+(``sampled_drafts=False``), each prompt with the same seed under both.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--stock-prompts", type=int, default=None,
                     help="prompts decoded plainly by the stock forward (default: all; see main)")
+    ap.add_argument("--temperatures", type=float, nargs="*", default=[],
+                    help="also measure tau under sampling at these temperatures (module docstring)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -67,8 +72,11 @@ def main() -> None:
             plain.append(ar)
     print(f"SpecLA's autoregressive decoding equals the stock forward's on {ar_equals_stock}/{stock_prompts} prompts",
           flush=True)
-    results = {name: evaluate(target, load_drafter(target, name, args), prompts, plain, args.max_new_tokens)
-               for name in args.drafters}
+    results = {}
+    for name in args.drafters:
+        drafter = load_drafter(target, name, args)
+        results[name] = evaluate(target, drafter, prompts, plain, args.max_new_tokens)
+        results[name].update(evaluate_sampling(target, drafter, prompts, args.max_new_tokens, args.temperatures))
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "prompts": len(prompts),
                                         "device": str(target.device),
@@ -107,6 +115,29 @@ def evaluate(target, drafter, prompts: list, plain: list, max_new_tokens: int) -
         print(f"{type(drafter).__name__} {name:<6} tau {results[name]['tau']:.2f} over {steps} verify steps, identical to plain "
               f"{results[name]['identical']}, per set " +
               ", ".join(f"{f.split('.')[0]} {t:.2f}" for f, t in results[name]["tau_per_set"].items()), flush=True)
+    return results
+
+
+def evaluate_sampling(target, drafter, prompts: list, max_new_tokens: int, temperatures: list[float]) -> dict:
+    """tau of ``drafter`` under sampling at each temperature, chain and tree in their configured shapes, with drafts
+    drawn from the drafter and with its top-k drafts (module docstring)."""
+    results = {}
+    for temperature in temperatures:
+        for name, drafting in CONFIGS:
+            for drafts, sampled in (("sampled", True), ("top-k", False)):
+                accepted = steps = 0
+                for seed, (_, p) in enumerate(prompts):
+                    torch.manual_seed(seed)
+                    target.generate(**p, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                    assistant_model=drafter, autoregressive_fallback=False, adaptive_drafting=False,
+                                    sampled_drafts=sampled, **drafting)
+                    accepted += sum(target.specla_stats.accepted)
+                    steps += target.specla_stats.steps
+                key = f"{name} T{temperature:g} {drafts}"
+                results[key] = {"tau": (accepted + steps) / steps, "steps": steps, "temperature": temperature,
+                                "drafts": drafts, "options": {**drafting, "adaptive_drafting": False}}
+                print(f"{type(drafter).__name__} {key:<22} tau {results[key]['tau']:.2f} over {steps} verify steps",
+                      flush=True)
     return results
 
 
