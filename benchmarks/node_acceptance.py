@@ -1,0 +1,90 @@
+"""How often a draft node's children are accepted under sampling: the drafter's top-k children accepted with the
+target's probability of each, against children drawn from the drafter and accepted by recursive rejection sampling
+(``specla_hf.loop.acceptance``), from teacher-forced distributions.
+
+    python benchmarks/node_acceptance.py --eval-dir EVAL
+
+The target writes ``--new-tokens`` after the first ``--per-set`` prompts of each set at ``--temperature`` (its own
+sampled text); on that text the EAGLE-style drafter reads the target's features (depth 1) or its own previous output
+(depth 2, the training-time test's second pass), and each position's target law ``p`` and draft law ``q`` at each
+sampling temperature give the chance that one child (the top-1, or a draw) and that any of ``--children`` children
+(the top-k, or draws without replacement, by Monte Carlo) is accepted. fp32 on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import specla_hf  # noqa: F401
+from specla_hf.app.prompts import load_prompts
+from specla_hf.loop.acceptance import _residual, _without
+from specla_hf.training.train_drafter import continue_text, target_signals
+
+EVAL_FILES = ("mt_bench.jsonl", "humaneval.jsonl", "alpaca_eval_80.jsonl")
+
+
+def acceptance(p: torch.Tensor, q: torch.Tensor, children: int, draws: int) -> dict[str, float]:
+    """Mean acceptance chances over the rows of ``p``, ``q`` ``[R, vocab]``."""
+    top = q.topk(children, -1).indices
+    drawn = torch.zeros(p.shape[0])
+    for _ in range(draws):
+        pi, qi = p.clone(), q.clone()
+        done = torch.zeros(p.shape[0], dtype=torch.bool)
+        for _ in range(children):
+            x = torch.multinomial(qi + 1e-30, 1)[:, 0]
+            px, qx = (t.gather(1, x[:, None])[:, 0] for t in (pi, qi))
+            hit = ~done & (qx > 0) & (torch.rand(p.shape[0]) * qx < px)
+            drawn += hit.float()
+            done |= hit
+            pi, qi = _residual(pi, qi), _without(qi, x)
+    return {"top-1": float(p.gather(1, top[:, :1]).mean()), "drawn 1": float(torch.minimum(p, q).sum(1).mean()),
+            f"top-{children}": float(p.gather(1, top).sum(1).mean()), f"drawn {children}": float((drawn / draws).mean())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="checkpoints/specla-gdn-tiny")
+    ap.add_argument("--drafter", default="checkpoints/specla-gdn-tiny-drafter")
+    ap.add_argument("--eval-dir", type=Path, required=True)
+    ap.add_argument("--per-set", type=int, default=6)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.7, help="of the target's text")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0], help="of the acceptance")
+    ap.add_argument("--children", type=int, default=4)
+    ap.add_argument("--draws", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    drafter = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        for f in EVAL_FILES:
+            for _, text in load_prompts(args.eval_dir / f)[:args.per_set]:
+                ids = tokenizer(text, return_tensors="pt").input_ids[:, -64:]
+                rows.append(continue_text(target, ids, args.new_tokens, args.temperature, gen))
+        length = min(r.shape[1] for r in rows)
+        x = torch.cat([r[:, -length:] for r in rows])
+        sig = target_signals(drafter, target, x, contextlib.nullcontext())
+        fused = drafter.fuse(sig["features"])
+        h1 = drafter(fused, sig["embeds"])
+        h2 = drafter(torch.cat([fused[:, :1], h1[:, :-1]], 1), sig["embeds"])
+        head = target.get_output_embeddings()
+        logq = {d: torch.log_softmax(head(drafter.norm(h)).float(), -1) for d, h in ((1, h1), (2, h2))}
+    prompt_tail = length - args.new_tokens           # positions inside the prompt: left out
+    torch.manual_seed(0)
+    for t in args.temperatures:
+        p = torch.softmax(sig["logp"].detach()[:, prompt_tail:] / t, -1).flatten(0, 1)
+        for depth, lq in logq.items():
+            q = torch.softmax(lq[:, prompt_tail:] / t, -1).flatten(0, 1)
+            rates = acceptance(p, q, args.children, args.draws)
+            print(f"T {t} depth {depth}: " + ", ".join(f"{k} {v:.3f}" for k, v in rates.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
