@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList, 
 from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TopKLogitsWarper
 
 import test_generate
-from conftest import record_calls, tiny_gdn, write_word_corpus
+from conftest import CollectStreamer, record_calls, tiny_gdn, write_word_corpus
 from tiny_checkpoints import hub_snapshot, run_offline
 from specla_hf import DraftOptions, GDNRunner, SpecLADrafter, SpecLADrafterConfig, speculative_decode
 from specla_hf.drafters.base import DraftBuffers
@@ -214,7 +214,7 @@ def test_device_loop_stops_streams_and_counts_like_plain_decoding(shipped, monke
     spec = target.generate(ids, max_new_tokens=48, do_sample=False, stopping_criteria=StoppingCriteriaList([stop]),
                            assistant_model=drafter, tree=True)
     assert torch.equal(spec, plain) and stop.seen == list(range(ids.shape[1] + 1, spec.shape[1] + 1))
-    streamed = test_generate.Collect()
+    streamed = CollectStreamer()
     for n in (1, 2, 9, 23):
         out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=drafter, tree=True,
                               streamer=streamed)
