@@ -255,8 +255,11 @@ class DynamicTreeDrafter:
     # target's vocabulary size they are part of; None: all
     draft_vocab: torch.Tensor | None = None
     vocab_size: int | None = None
-    # whether ``_depth_step`` can draw children from the drafter's distribution (``sample_drafts``)
+    # whether ``_depth_step`` can draw children from the drafter's distribution, and the processors it draws under
+    # (``sample_drafts``; None: top-k children)
     samples_drafts: bool = True
+    draft_sampling: LogitsProcessorList | None = None
+    _sampling_key: tuple | None = None
 
     def __init__(self, options: DraftOptions):
         self.options = options
@@ -266,8 +269,6 @@ class DynamicTreeDrafter:
         self.last_tree: DraftTree | None = None
         self.last_pruned = 0   # candidate nodes dropped by the threshold in the last proposal
         self.buffers: DraftBuffers | None = None
-        self.draft_sampling: LogitsProcessorList | None = None     # ``sample_drafts``
-        self._sampling_key: tuple | None = None
 
     # ---- what a subclass provides ----
     runner = None            # the drafter's adapter: its ``graphs`` say whether to use CUDA graphs
