@@ -133,7 +133,7 @@ class DraftBuffers:
             self.node_logq = torch.full((self.capacity, vocab), float("-inf"), device=self.tokens.device)
         return self.node_logq
 
-    def select_tree(self, depths: int, budget: int, sampled: bool = False) -> None:
+    def select_tree(self, depths: int, budget: int) -> None:
         """``select_tree_rows`` of every candidate of depths ``1..depths`` (no threshold) into ``tree``, on the device,
         in static shapes and without host synchronisation (it is captured as a CUDA graph); root = ``tokens[0]``."""
         K = self.topk
@@ -146,8 +146,7 @@ class DraftBuffers:
         chosen = select_tree_rows(score, token, parent, self.cand_depth[:score.shape[0]], n, self.tree)
         self.tree_tokens[:n + 1] = self.tree[0, :n + 1]
         self.tree_parents[:n + 1] = self.tree[1, :n + 1]
-        if sampled:
-            self.tree_slots[1:n + 1] = self.cand_slot[chosen]
+        self.tree_slots[1:n + 1] = self.cand_slot[chosen]       # read for sampled drafts only
 
     def queue_tree(self) -> None:
         """Start reading the selected tree back to the host (``read_tree``)."""
@@ -462,8 +461,7 @@ class DynamicTreeDrafter:
         selected, budget = None, self.budget
         if threshold <= 0 and depths:
             K = self.options.topk
-            sampled = self.draft_sampling is not None
-            self._run(("select", depths, budget), lambda: b.select_tree(depths, budget, sampled), "the tree selection")
+            self._run(("select", depths, budget), lambda: b.select_tree(depths, budget), "the tree selection")
             b.queue_tree()
             selected = 1 + min(budget, candidate_count(K, depths))
         self._launched = Launched(root, depths, budget, log_threshold, selected)
@@ -504,8 +502,8 @@ class DynamicTreeDrafter:
                                       candidate_depths(self.options.topk, depths), n, rows)
         tree = _tree_of_rows(rows)
         if sampled:
-            slots = torch.cat([chosen.new_zeros(1), self.buffers.cand_slot.cpu()[chosen]])
-            tree.draft_logq = self.tree_draft_logq(slots.to(self.buffers.cand_slot.device))
+            slots = self.buffers.cand_slot[chosen.to(self.buffers.cand_slot.device)]
+            tree.draft_logq = self.tree_draft_logq(torch.cat([slots.new_zeros(1), slots]))    # the root: slot 0
         self.last_tree, self.last_pruned = tree, pruned
         return tree
 

@@ -93,17 +93,15 @@ def accept_path(tree, logits: torch.Tensor | None, context: torch.LongTensor | N
                 nxt = None
                 for c in kids:
                     x = tokens[c]
-                    if q is None:
-                        if torch.rand(()) < p[x]:
-                            nxt = c
-                            break
-                        p[x] = 0
-                        p = p / p.sum()
-                        continue
-                    if q[x] > 0 and torch.rand(()) * q[x] < p[x]:
+                    qx = 1.0 if q is None else q[x]          # a top-k draft: a q certain of it
+                    if qx > 0 and torch.rand(()) * qx < p[x]:
                         nxt = c
                         break
-                    p, q = _residual(p, q), _without(q, x)
+                    if q is None:
+                        p[x] = 0
+                        p = p / p.sum()
+                    else:
+                        p, q = _residual(p, q), _without(q, x)
                 choice = tokens[nxt] if nxt is not None else int(torch.multinomial(p, 1))
         emitted.append(choice)
         if nxt is None:
