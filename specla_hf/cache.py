@@ -6,7 +6,8 @@ A GDN layer (``SpecLALayer``) keeps its recurrent state, its conv window and, pe
 committed state untouched, and ``commit`` rebuilds the state after the accepted root-to-node path with one
 rank-|path| update (``docs/kernels.md``). Nothing stores a state per draft node. A hybrid model's full-attention
 layer (``SpecLAAttentionLayer``) keeps the committed keys and values followed by the pending nodes', its committed
-length as a device tensor, and commits by moving the accepted path's entries down on the device (``commit_path``).
+length as a device tensor, and commits by moving the accepted path's entries down on the device, every attention
+layer's keys and values in one launch (``ops.commit_kv_``).
 
 The cache holds no position count on the host: the decoding loop owns it (a commit recorded in a CUDA graph cannot
 tell the host how many tokens it kept).
@@ -144,21 +145,10 @@ class SpecLAAttentionLayer(CacheLayerMixin):
             self.length.add_(T)
             self.bound += T
 
-    def commit_path(self, nodes: torch.Tensor, length: torch.Tensor) -> None:
-        """Keep the pending nodes ``nodes[b, :length[b]]`` (a root-to-node path, root first) right after the committed
-        positions and drop the other pending nodes, on the device, in static shapes: slot ``length + i`` takes path
-        node ``i`` for ``i < length[b]`` and keeps its entry for the other ``i < P = nodes.shape[1]`` (so a commit of
-        an empty path, a graph's warm-up, changes nothing)."""
-        P = nodes.shape[1]
-        self.make_room(P)
-        steps = torch.arange(P, device=self.device)
-        source = self._expand(self.length[:, None] + torch.where(steps < length[:, None], nodes, steps))
-        target = self._expand(self.length[:, None] + steps)
-        for buffer in (self.key_buffer, self.value_buffer):
-            # gathered before written: a path node's entry may sit where an earlier path entry goes
-            buffer.scatter_(2, target, buffer.gather(2, source))
-        self.length.add_(length)
-        self.bound += P
+    def path_committed(self, width: int) -> None:
+        """The host's side of a commit (``SpecLACache.commit`` moves the entries and advances ``length`` on the
+        device, ``ops.commit_kv_``): a path of at most ``width`` nodes was kept, the other pending nodes dropped."""
+        self.bound += width
         self.num_pending = 0
 
     def _expand(self, slots: torch.Tensor) -> torch.Tensor:
@@ -239,7 +229,7 @@ class SpecLACache(Cache):
         self.parents = self._no_parents = torch.empty(first.batch_size, 0, dtype=torch.long, device=first.device)
         self.ancestors = self._no_ancestors = torch.empty(first.batch_size, 0, 0, dtype=torch.bool,
                                                           device=first.device)
-        # the recurrent layers commit together (one launch); any other layer kind commits itself (``commit_path``)
+        # the recurrent layers commit together (one launch), the attention layers too (``ops.commit_kv_``)
         self.recurrent = [layer for layer in layers if isinstance(layer, SpecLALayer)]
         self.others = [layer for layer in layers if not isinstance(layer, SpecLALayer)]
 
@@ -275,8 +265,14 @@ class SpecLACache(Cache):
             path = root_path(self.ancestors, accepted)
         if self.recurrent:
             ops.commit_(self.parents, accepted, ancestors=self.ancestors, path=path, **self.commit_operands())
-        for layer in self.others:
-            layer.commit_path(*path)
+        if self.others:
+            width = path[0].shape[1]
+            for layer in self.others:
+                layer.make_room(width)
+            ops.commit_kv_(*path, *([getattr(l, name) for l in self.others]
+                                    for name in ("key_buffer", "value_buffer", "length")))
+            for layer in self.others:
+                layer.path_committed(width)
         self.discard()
 
     def check_consumable(self) -> None:

@@ -400,6 +400,56 @@ def test_commit_all_layers_in_one_launch(device, kind):
         commit_(parents, accepted, windows=([layers[0]["x"], layers[1]["x"][:, :, :-1]], windows[:2]))
 
 
+def test_commit_kv_reference_moves_each_path_entry_down():
+    """``commit_kv_ref`` against slot-by-slot moves: slot ``committed + i`` takes node ``path[i]``'s entry, the rest
+    of the buffer is unchanged."""
+    gen = seeded("kv reference")
+    buffer = torch.randn(2, 3, 20, 5, generator=gen)
+    committed, length = torch.tensor([4, 9]), torch.tensor([3, 0])
+    path = torch.tensor([[0, 2, 5, 5], [1, 1, 1, 1]])
+    want = buffer.clone()
+    for i, node in enumerate([0, 2, 5]):
+        want[0, :, 4 + i] = buffer[0, :, 4 + node]
+    assert torch.equal(ref.commit_kv_ref(buffer, committed, path, length), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bushy", "deep", "forest", "single"])
+def test_commit_kv_all_layers_in_one_launch(device, kind):
+    """``ops.commit_kv_`` (one launch for every attention layer's keys and values, per-layer address tables) equals
+    the per-layer reference and advances each layer's committed count, on separate allocations with their own counts
+    (different per sequence; a sequence that keeps no path is untouched), paths read off the tree or padded into a
+    wider strided buffer as the acceptance hands them over."""
+    gen = seeded(kind, "kv")
+    B, L, Nt = 2, 3, SIZES[device][kind]
+    H, D = (2, 256) if device == "cuda" else (3, 20)      # Qwen3.5's KV heads on CUDA
+    capacity = 40 + Nt + 7
+    parents = random_parents(kind, B, Nt, gen).to(device)
+    accepted = torch.tensor([int(torch.randint(0, Nt, (1,), generator=gen)), -1 if Nt > 1 else 0], device=device)
+    nodes, length = commit_kernels.root_path(tree_ancestors(parents), accepted)
+    packed = torch.zeros(B, 2 + Nt + 5, dtype=torch.long, device=device)
+    packed[:, 1] = length
+    packed[:, 2:] = accepted.clamp(min=0)[:, None]
+    for b in range(B):
+        packed[b, 2:2 + int(length[b])] = nodes[b, :int(length[b])]
+    for dtype in (torch.float32, torch.bfloat16):
+        for path in ((nodes, length), (packed[:, 2:], packed[:, 1])):
+            layers = [dict(keys=torch.randn(B, H, capacity, D, generator=gen).to(device, dtype),
+                           values=torch.randn(B, H, capacity, D, generator=gen).to(device, dtype),
+                           committed=torch.randint(0, 40, (B,), generator=gen).to(device))
+                      for _ in range(L)]
+            want = [{name: ref.commit_kv_ref(l[name], l["committed"], *path) for name in ("keys", "values")}
+                    for l in layers]
+            done = [{name: t.clone() for name, t in l.items()} for l in layers]
+            ops.commit_kv_(*path, *([l[name] for l in done] for name in ("keys", "values", "committed")))
+            for i, (got, w, l) in enumerate(zip(done, want, layers)):
+                assert torch.equal(got["keys"], w["keys"]) and torch.equal(got["values"], w["values"]), (i, dtype)
+                assert torch.equal(got["committed"], l["committed"] + path[1]), i
+    with pytest.raises(ValueError, match="one shape"):
+        ops.commit_kv_(nodes, length, [done[0]["keys"], done[1]["keys"][:, :, :-1]], [done[0]["values"]] * 2,
+                       [done[0]["committed"]] * 2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_commit_captured_with_factors_made_inside_the_capture():
     """A CUDA graph whose commit reads factors allocated inside the capture (the device loop's drafter catch-up):

@@ -276,3 +276,53 @@ def commit_(path: torch.Tensor, length: torch.Tensor, *,
         *(t for t, _ in tables), path, length, path.stride(0), length.stride(0), P, Nt, B * shape["HV"], B, D,
         n_state, BP=BP, LONG=P > BP, ALIGN=align, **shape, num_warps=tile["num_warps"],
     )
+
+
+@triton.jit(do_not_specialize=["s_path", "s_len", "P", "B", "C", "D"])
+def commit_kv_kernel(buffer_ptrs, committed_ptrs, path, length, s_path, s_len, P, B, C, D,
+                     H: tl.constexpr, DTYPE: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr,
+                     ALIGN: tl.constexpr):
+    # program: one [path, BD] block of one head's rows in one buffer (the layers' keys and values alternate in the
+    # table); every row is read before any is written, as a path node's entry may sit where an earlier one goes
+    ND = tl.cdiv(D, BD)
+    pid = tl.program_id(0)
+    i_tbh, i_d = pid // ND, pid % ND
+    i_t, i_bh = i_tbh // (B * H), i_tbh % (B * H)
+    i_b = i_bh // H
+    n_path = tl.load(length + i_b * s_len).to(tl.int32)
+    if n_path > 0:
+        buffer = _base(buffer_ptrs, i_t, DTYPE, ALIGN)
+        start = tl.load(tl.load(committed_ptrs + i_t // 2).to(tl.pointer_type(tl.int64)) + i_b)
+        slot = tl.arange(0, BP)
+        node = tl.load(path + i_b * s_path + slot, mask=slot < P, other=0)
+        moved = (slot < n_path) & (node != slot)
+        o_d = i_d * BD + tl.arange(0, BD)
+        m = moved[:, None] & (o_d < D)[None, :]
+        rows = buffer + (i_bh.to(tl.int64) * C + start) * D
+        entries = tl.load(rows + node[:, None].to(tl.int64) * D + o_d[None, :], mask=m)
+        tl.debug_barrier()
+        tl.store(rows + slot[:, None].to(tl.int64) * D + o_d[None, :], entries, mask=m)
+
+
+def commit_kv_(path: torch.Tensor, length: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+               committed: list[torch.Tensor]) -> None:
+    """``commit_kv_ref`` in place on every attention layer's key and value buffers, one launch: per layer
+    ``keys``/``values [B, KV heads, capacity, D]`` (contiguous, one shape and dtype across layers) and its committed
+    positions ``committed [B]`` (int64), the path as ``commit_`` takes it. The committed counts are not advanced
+    (every program reads them): the caller adds ``length`` after."""
+    B, P = path.shape
+    if path.stride(1) != 1:
+        path = path.contiguous()
+    buffers = [t for pair in zip(keys, values) for t in pair]
+    _same(buffers, "key and value buffer")
+    _same(committed, "committed length", torch.int64)
+    if length.shape != (B,) or committed[0].shape != (B,) or buffers[0].shape[0] != B:
+        raise ValueError(f"a path of {B} sequences needs one length and one committed count per sequence, and "
+                         f"buffers of {B} sequences")
+    _, H, C, D = buffers[0].shape
+    BP = triton.next_power_of_2(P)
+    BD = min(triton.next_power_of_2(D), max(16, 8192 // BP))      # at most 8192 entries a program holds
+    (table, align), (committed_table, _) = _address_table(buffers), _address_table(committed)
+    commit_kv_kernel[(len(buffers) * B * H * triton.cdiv(D, BD),)](
+        table, committed_table, path, length, path.stride(0), length.stride(0), P, B, C, D,
+        H=H, DTYPE=TL_DTYPES[buffers[0].dtype], BP=BP, BD=BD, ALIGN=align, num_warps=4)

@@ -108,6 +108,19 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         window.copy_(reference.commit_window_ref(x, window, parents, accepted))
 
 
+def commit_kv_(path: torch.Tensor, length: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+               committed: list[torch.Tensor]) -> None:
+    """Keep the path's entries (``path [B, P]``, root first, ``length [B]`` of its nodes) right after each attention
+    layer's ``committed [B]`` positions in its ``keys``/``values`` buffers and advance the counts (see
+    ``commit_kv_ref``): two launches for every layer on the Triton path, the reference layer by layer otherwise."""
+    if use_triton(keys[0]):
+        _commit.commit_kv_(path, length, keys, values, committed)
+    else:
+        for buffer, count in zip(keys + values, committed + committed):
+            buffer.copy_(reference.commit_kv_ref(buffer, count, path, length))
+    torch._foreach_add_(committed, [length] * len(committed))
+
+
 def commit_state_(state: torch.Tensor, k_hat: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
                   parents: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     """Apply the accepted path's factors to ``state`` in place (see ``commit_state_ref``); returns ``state``."""

@@ -251,6 +251,19 @@ def commit_window_ref(x: torch.Tensor, window: torch.Tensor, parents: torch.Tens
     return torch.where((accepted >= 0)[:, None, None], new.to(window.dtype), window)
 
 
+def commit_kv_ref(buffer: torch.Tensor, committed: torch.Tensor, path: torch.Tensor,
+                  length: torch.Tensor) -> torch.Tensor:
+    """An attention layer's key or value buffer ``[B, KV heads, capacity, D]`` after a commit: the pending entries
+    follow the ``committed [B]`` positions in node order, and slot ``committed + i`` takes path node ``i``'s entry
+    for ``i < length[b]`` (``path [B, P]``, root first); every other slot keeps its entry."""
+    B, H, _, D = buffer.shape
+    steps = torch.arange(path.shape[1], device=buffer.device)
+    source = committed[:, None] + torch.where(steps < length[:, None], path, steps)
+    gathered = buffer.gather(2, source[:, None, :, None].expand(B, H, -1, D))
+    target = (committed[:, None] + steps)[:, None, :, None].expand(B, H, -1, D)
+    return buffer.scatter(2, target, gathered)
+
+
 def conv_sequence_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor | None,
                       activation: str | None = 'silu') -> tuple[torch.Tensor, torch.Tensor]:
     """fla's ``ShortConvolution`` on a plain sequence with its cache: returns ``y [B, T, D]`` and the new window."""
