@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import specla_hf  # noqa: F401
 from specla_hf.app.prompts import load_prompts
-from specla_hf.loop.acceptance import _residual, _without
+from specla_kernels.reference import rejection_residual, without_draw
 from specla_hf.training.train_drafter import continue_text, target_signals
 
 EVAL_FILES = ("mt_bench.jsonl", "humaneval.jsonl", "alpaca_eval_80.jsonl")
@@ -40,7 +40,7 @@ def acceptance(p: torch.Tensor, q: torch.Tensor, children: int, draws: int) -> d
             hit = ~done & (qx > 0) & (torch.rand(p.shape[0]) * qx < px)
             drawn += hit.float()
             done |= hit
-            pi, qi = _residual(pi, qi), _without(qi, x)
+            pi, qi = rejection_residual(pi, qi), without_draw(qi, x)
     return {"top-1": float(p.gather(1, top[:, :1]).mean()), "drawn 1": float(torch.minimum(p, q).sum(1).mean()),
             f"top-{children}": float(p.gather(1, top).sum(1).mean()), f"drawn {children}": float((drawn / draws).mean())}
 

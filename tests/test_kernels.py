@@ -939,6 +939,71 @@ def test_row_topk_matches_reference(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bushy", "deep", "forest", "star", "single"])
+def test_accept_walk_matches_reference(device, kind):
+    """The acceptance walk (one program) equals ``accept_walk_ref`` exactly, greedy and sampled, on trees with
+    duplicate sibling tokens, padding nodes (a forest's extra roots), paths shorter and as long as ``cap``, and the
+    ancestor mask as a view into the cache's larger buffer."""
+    gen = seeded(kind, "walk")
+    N = SIZES[device][kind]
+    parents = random_parents(kind, 1, N, gen)[0].to(device)
+    anc_buffer = torch.zeros(N + 3, N + 5, dtype=torch.bool, device=device)
+    anc_buffer[:N, :N] = tree_ancestors(parents[None])[0]
+    ancestors = anc_buffer[:N, :N]
+    deepest = int(ancestors.sum(1).max())
+    for trial in range(6):
+        tokens = torch.randint(0, 3, (N,), generator=gen).to(device)         # 3 tokens: many twins and matches
+        # the target's choice: mostly one of the node's children's tokens
+        argmax = torch.where(torch.rand(N, generator=gen).to(device) < 0.8,
+                             tokens[torch.randint(0, N, (N,), generator=gen).to(device)], 7)
+        hit = (torch.rand(N, generator=gen) < 0.6).to(device)
+        cap = deepest + (trial % 3)
+        for given in (dict(argmax=argmax), dict(hit=hit)):
+            got = ops.accept_walk(tokens, parents, ancestors, cap, **given)
+            want = ref.accept_walk_ref(tokens, parents, ancestors, cap, **given)
+            assert torch.equal(got, want), (trial, list(given), got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bushy", "deep", "star"])
+def test_drawn_hits_match_reference(device, kind):
+    """Recursive rejection sampling of drawn children (one program per parent) against ``drawn_hits_ref`` with the
+    same uniforms: the same hits, and residual rows proportional to the reference's for every node with children;
+    vocabularies of one block and of several, children past ``siblings`` (never hit), a repeated sibling token, a
+    child ``q`` gives no mass and a parent whose ``q`` equals ``p`` (no residual: ``p`` goes on)."""
+    gen = seeded(kind, "drawn")
+    N = min(SIZES[device][kind], 40)
+    parents = random_parents(kind, 1, N, gen)[0].to(device)
+    siblings = 3
+    for V in ((300, 2500) if device == "cpu" else (8192, 248320)):
+        tokens = torch.randint(0, V, (N,), generator=gen)
+        probs = torch.softmax(torch.randn(N, V, generator=gen) * 3, -1)
+        draft = torch.softmax(torch.randn(N, V, generator=gen) * 3, -1)
+        kids = [[c for c in range(N) if int(parents[c]) == u] for u in range(N)]
+        u_multi = next((u for u in range(N) if len(kids[u]) >= 2), None)
+        if u_multi is not None:
+            a, b = kids[u_multi][:2]
+            tokens[b] = tokens[a]                                 # a repeated sibling token
+            draft[u_multi, tokens[a]] += 0.5                      # and one q likes
+            draft[u_multi] /= draft[u_multi].sum()
+            u_zero = next((u for u in range(N) if kids[u] and u != u_multi), None)
+            if u_zero is not None:
+                draft[u_zero, tokens[kids[u_zero][0]]] = 0         # a draw q gives no mass
+                draft[u_zero] /= draft[u_zero].sum()
+        parent_of_root_child = int(parents[1]) if N > 1 and int(parents[1]) >= 0 else None
+        if parent_of_root_child is not None:
+            draft[parent_of_root_child] = probs[parent_of_root_child]   # q == p: nothing left after a rejection
+        uniforms = torch.rand(N, generator=gen)
+        args = [t.to(device) for t in (tokens, parents, probs, draft, uniforms)]
+        hit, residual = ops.drawn_hits(*args, siblings)
+        want_hit, want_residual = ref.drawn_hits_ref(*args, siblings)
+        assert torch.equal(hit, want_hit), (V, hit, want_hit)
+        with_kids = torch.tensor([bool(k) for k in kids], device=device)
+        got_rows = residual[with_kids]
+        check(got_rows / got_rows.sum(-1, keepdim=True), want_residual[with_kids], 1e-5, f"residual rows, V {V}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_expand_frontier_matches_reference(device):
     """The drafter's expansion step: candidates, next frontier and tree slots equal the torch reference exactly, for
     a root (F = 1) and full frontiers, K from 1 to 6, with exact score ties and -inf log-probs, children ranked by

@@ -77,7 +77,8 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
 
 def call_every_wrapper():
     """Each SpecLA kernel wrapper once per distinct compile (1.3B layer shapes, bf16 model, fp32 state)."""
-    from specla_kernels import commit, draft_expand, fused_gemm, gate, gated_norm, gemv, topk, tree_conv, tree_delta
+    from specla_kernels import (accept, commit, draft_expand, fused_gemm, gate, gated_norm, gemv, topk, tree_conv,
+                                tree_delta)
     bf, f32 = torch.bfloat16, torch.float32
     H, K, V, D, W, N = 6, 256, 512, 2 * 6 * 256 + 6 * 512, 4, 64
     z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype)                  # noqa: E731
@@ -105,6 +106,13 @@ def call_every_wrapper():
     commit.commit_(path[:, :9], length, tile=dict(BP=32),            # one chunk of a short path, wider
                    states=([state], [z(1, N, H, K, dtype=f32)], [z(1, N, H, V, dtype=f32)], [z(1, N, H, dtype=f32)]),
                    windows=([x], [z(1, D, W)]))
+    # the hybrids' attention layers (Qwen3.5: 2 KV heads of 256), the path as the acceptance hands it over
+    kv = [z(1, 2, 512, 256) for _ in range(4)]
+    commit.commit_kv_(path[:, :9], length, kv[:2], kv[2:], [torch.zeros(1, dtype=torch.long)] * 2)
+    tokens, cap = torch.zeros(N, dtype=torch.long), 9
+    accept.accept_walk(tokens, parents[0], tree_delta.tree_ancestors(parents)[0], cap, argmax=tokens)
+    accept.accept_walk(tokens, parents[0], tree_delta.tree_ancestors(parents)[0], cap, hit=z(N, dtype=torch.bool))
+    accept.drawn_hits(tokens, parents[0], z(N, 8192, dtype=f32), z(N, 8192, dtype=f32), z(N, dtype=f32), 4)
     topk.row_topk(z(4, 16384), 4)
     draft_expand.expand_frontier(z(4, 4, dtype=f32), z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long),
                                  z(4, dtype=f32),
@@ -146,7 +154,7 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
             "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel",
-            "fused_gemm_kernel"} <= names, names
+            "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_hits_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",

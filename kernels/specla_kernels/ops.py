@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specla_kernels import reference
+from specla_kernels import accept as _accept
 from specla_kernels import commit as _commit
 from specla_kernels import draft_expand as _draft_expand
 from specla_kernels import fused_gemm as _fused_gemm
@@ -106,6 +107,24 @@ def commit_(parents: torch.Tensor, accepted: torch.Tensor, *,
         state.copy_(reference.commit_state_ref(state, k_hat, u, g, parents, accepted))
     for x, window in zip(*windows) if windows is not None else ():
         window.copy_(reference.commit_window_ref(x, window, parents, accepted))
+
+
+def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, cap: int,
+                argmax: torch.Tensor | None = None, hit: torch.Tensor | None = None) -> torch.Tensor:
+    """The accepted path of a verified tree and what the step emits, ``[length, emitted (cap), path (cap), node]``,
+    from each node's greedy ``argmax`` or sampled ``hit`` (see ``accept_walk_ref``)."""
+    if use_triton(tokens) and tokens.shape[0] <= _accept.MAX_NODES:
+        return _accept.accept_walk(tokens, parents, ancestors, cap, argmax=argmax, hit=hit)
+    return reference.accept_walk_ref(tokens, parents, ancestors, cap, argmax=argmax, hit=hit)
+
+
+def drawn_hits(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, draft_probs: torch.Tensor,
+               uniforms: torch.Tensor, siblings: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling of drawn children, every parent at once: each node's hit and each parent's
+    residual (rows without children undefined on the Triton path; see ``drawn_hits_ref``)."""
+    if use_triton(probs) and probs.shape[0] <= _accept.MAX_NODES:
+        return _accept.drawn_hits(tokens, parents, probs.float(), draft_probs.float(), uniforms, siblings)
+    return reference.drawn_hits_ref(tokens, parents, probs, draft_probs, uniforms, siblings)
 
 
 def commit_kv_(path: torch.Tensor, length: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

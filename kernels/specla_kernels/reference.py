@@ -443,3 +443,94 @@ def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     s = q.float() @ k.transpose(-1, -2) * scale + mask.float()
     o = torch.softmax(s, -1) @ v * (mask > HIDDEN).any(-1, keepdim=True)
     return o.transpose(1, 2).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# acceptance of a verified tree (the device loop's step; the rule is ``specla_hf.loop.acceptance``)
+# ---------------------------------------------------------------------------------------------------------------------
+def earlier_twin(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """``[N]``: whether an earlier sibling holds the same token (a walk trying children in order never reaches it)."""
+    idx = torch.arange(tokens.shape[0], device=tokens.device)
+    return ((parents[None, :] == parents[:, None]) & (tokens[None, :] == tokens[:, None])
+            & (idx[None, :] < idx[:, None])).any(1)
+
+
+def accept_walk_ref(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, cap: int,
+                    argmax: torch.Tensor | None = None, hit: torch.Tensor | None = None) -> torch.Tensor:
+    """The accepted path of a verified tree ``tokens``/``parents [N]`` (node 0 the root; parent -1 for it and for
+    padding nodes, never accepted), ``ancestors [N, N]`` (row ``i``: ``i`` and its ancestors), and what the step
+    emits, as ``[length, emitted (cap), path (cap), node]`` (int64).
+
+    A node matches when, with ``argmax [N]`` (greedy: the target's choice after each node), its token is its parent's
+    argmax and no earlier sibling holds that token; with ``hit [N]`` (sampling: each node's own acceptance draw),
+    when it hit and no earlier sibling hit. A node is accepted when every node on its root path matches; the deepest
+    (the first of equal depth) ends the path, of ``length`` nodes, root first in ``path`` (padded with ``node``).
+    ``emitted``: the drafts after the root along the path, then the bonus token after ``node`` (padded with it):
+    ``argmax[node]``, or -1 under sampling (the caller draws it)."""
+    N = tokens.shape[0]
+    idx = torch.arange(N, device=tokens.device)
+    if argmax is not None:
+        fits = (tokens == argmax[parents.clamp(min=0)]) & ~earlier_twin(tokens, parents)
+    else:
+        earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])
+        fits = hit & ~(earlier & hit[None, :]).any(1)
+    match = torch.where(parents >= 0, fits, idx == 0)
+    accepted = ~(ancestors & ~match[None, :]).any(1)
+    depth = ancestors.sum(1)
+    node = torch.where(accepted, depth, 0).argmax().view(1)
+    length = depth.index_select(0, node)
+    on_path = ancestors.index_select(0, node)[0]
+    slot = torch.where(on_path, depth - 1, cap)                # a path node's position; the rest to a spare slot
+    path = node.repeat(cap + 1).scatter(0, slot, idx)[:cap]
+    after = torch.cat([path[1:], node])                         # the node each emitted draft token comes from
+    bonus = argmax.index_select(0, node) if argmax is not None else torch.full_like(node, -1)
+    emitted = torch.where(torch.arange(cap, device=idx.device) + 1 < length, tokens[after], bonus)
+    return torch.cat([length, emitted, path, node])
+
+
+def rejection_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejected draw from ``q`` leaves of ``p`` (last dim): ``norm(max(p - q, 0))``; ``p`` itself where
+    nothing is left (``p == q`` up to rounding, where a rejection has no chance but rounding's)."""
+    rest = (p - q).clamp(min=0)
+    total = rest.sum(-1, keepdim=True)
+    return torch.where(total > 0, rest / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+
+
+def without_draw(q: torch.Tensor, x: torch.Tensor | int) -> torch.Tensor:
+    """``q`` (last dim) with the drawn token ``x`` removed, renormalised: the law of the next draw without
+    replacement (all zero once nothing is left: no further child can be accepted)."""
+    q = q.clone()
+    if isinstance(x, int):
+        q[x] = 0
+    else:
+        q.scatter_(-1, x[:, None], 0)
+    return q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
+
+
+def drawn_hits_ref(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, draft_probs: torch.Tensor,
+                   uniforms: torch.Tensor, siblings: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling of children drawn without replacement, every parent at once: node ``u``'s
+    children (``parents == u``, in node order; the first ``siblings``) were drawn from ``draft_probs[u]``; the child
+    of rank ``r`` hits when ``uniforms[child] * q(x) < p(x)`` (``q(x) > 0``) with ``p`` the target's ``probs[u]``
+    after the rejections of ranks ``< r`` (``rejection_residual``) and ``q`` without their tokens (``without_draw``).
+    Returns ``hit [N]`` (bool; False for nodes without a parent) and each row's residual after all its children,
+    in fp32 (a row without children: ``probs``'s)."""
+    N = tokens.shape[0]
+    idx = torch.arange(N, device=tokens.device)
+    rank = ((parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])).sum(1)
+    # child_of[u, r]: node u's child of rank r, or N (none); a padding column takes what does not belong
+    child_of = torch.full((N + 1, siblings + 1), N, dtype=torch.long, device=tokens.device)
+    drafted = (parents >= 0) & (rank < siblings)
+    child_of[torch.where(drafted, parents, N), torch.where(drafted, rank, siblings)] = idx
+    child_of = child_of[:N, :siblings]
+    p, q = probs.float(), draft_probs.float()
+    hit = torch.zeros(N + 1, dtype=torch.bool, device=tokens.device)
+    for r in range(siblings):
+        child = child_of[:, r]
+        has = child < N
+        x = tokens[child.clamp(max=N - 1)][:, None]
+        px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+        hit[child] = has & (qx > 0) & (uniforms[child.clamp(max=N - 1)] * qx < px)
+        p = torch.where(has[:, None], rejection_residual(p, q), p)
+        q = torch.where(has[:, None], without_draw(q, x[:, 0]), q)
+    return hit[:N], p

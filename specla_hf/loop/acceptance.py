@@ -16,6 +16,9 @@ import torch
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
+from specla_kernels import ops
+from specla_kernels.reference import earlier_twin, rejection_residual, without_draw
+
 # processors whose output row depends on that row of scores alone, not on the sequence: a tree's rows (each node with
 # its own context) are processed together, on the device. Exact classes: a subclass may read the sequence.
 ROW_WISE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
@@ -101,7 +104,7 @@ def accept_path(tree, logits: torch.Tensor | None, context: torch.LongTensor | N
                         p[x] = 0
                         p = p / p.sum()
                     else:
-                        p, q = _residual(p, q), _without(q, x)
+                        p, q = rejection_residual(p, q), without_draw(q, x)
                 choice = tokens[nxt] if nxt is not None else int(torch.multinomial(p, 1))
         emitted.append(choice)
         if nxt is None:
@@ -110,25 +113,6 @@ def accept_path(tree, logits: torch.Tensor | None, context: torch.LongTensor | N
         path.append(node)
         if processed:
             ctx = torch.cat([ctx, ctx.new_tensor([[choice]])], 1)
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """What a rejected draw from ``q`` leaves of ``p`` (last dim): ``norm(max(p - q, 0))``; ``p`` itself where
-    nothing is left (``p == q`` up to rounding, where a rejection has no chance but rounding's)."""
-    rest = (p - q).clamp(min=0)
-    total = rest.sum(-1, keepdim=True)
-    return torch.where(total > 0, rest / total.clamp(min=torch.finfo(p.dtype).tiny), p)
-
-
-def _without(q: torch.Tensor, x: torch.Tensor | int) -> torch.Tensor:
-    """``q`` (last dim) with the drawn token ``x`` removed, renormalised: the law of the next draw without
-    replacement (all zero once nothing is left: no further child can be accepted)."""
-    q = q.clone()
-    if isinstance(x, int):
-        q[x] = 0
-    else:
-        q.scatter_(-1, x[:, None], 0)
-    return q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
 
 
 @dataclass
@@ -143,7 +127,7 @@ class DeviceAcceptance:
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, argmax: torch.Tensor,
                   cap: int) -> DeviceAcceptance:
-    """``accept_path`` for plain greedy decoding as device tensor ops.
+    """``accept_path`` for plain greedy decoding on the device.
 
     ``tokens``/``parents`` ``[N]`` (node 0 the root; parents -1 for it and for padding nodes, which are never
     accepted), ``ancestors [N, N]`` (row ``i``: ``i`` and its ancestors), ``argmax [N]`` the target's choice after
@@ -151,99 +135,47 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
     sibling has that token (the host walk takes the first such child); it is accepted when every node on its root
     path matches; the deepest accepted node ends the path (one per depth: at most one child of a node matches).
     """
-    idx = torch.arange(tokens.shape[0], device=tokens.device)
-    up = parents.clamp(min=0)
-    match = torch.where(parents >= 0, (tokens == argmax[up]) & ~_earlier_twin(tokens, parents), idx == 0)
-    return _walk(tokens, ancestors, match, lambda node: argmax.index_select(0, node), cap)
+    return _acceptance(ops.accept_walk(tokens, parents, ancestors, cap, argmax=argmax), cap)
 
 
 def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, probs: torch.Tensor,
                   cap: int, draft_probs: torch.Tensor | None = None, siblings: int = 1) -> DeviceAcceptance:
-    """``accept_path``'s sampling rule as device tensor ops: ``probs [N, vocab]`` is the target's processed
-    distribution after each node (the rest as ``greedy_accept``); ``draft_probs [N, vocab]``, for sampled drafts,
-    the drafter's distribution after each node, which its children (at most ``siblings``) were drawn from.
+    """``accept_path``'s sampling rule on the device: ``probs [N, vocab]`` is the target's processed distribution
+    after each node (the rest as ``greedy_accept``); ``draft_probs [N, vocab]``, for sampled drafts, the drafter's
+    distribution after each node, which its children (at most ``siblings``) were drawn from.
 
-    The host tries a node's children in order, accepting child ``c`` with probability ``p(c)`` renormalised over what
-    its earlier siblings' rejections left, and samples the bonus from what all of them left. Here every node draws
-    its uniform up front (the host draws one per child it reaches: the same law), hits with that chance (zero for a
-    token an earlier sibling already tried), and matches when it hits and no earlier sibling hit; the bonus is an
-    exponential race over the last node's distribution with its children's tokens removed. Sampled drafts go
-    through ``_sample_accept_drawn``."""
-    if draft_probs is not None:
-        return _sample_accept_drawn(tokens, parents, ancestors, probs, draft_probs, cap, siblings)
+    The host tries a node's children in order and draws one uniform per child it reaches; here every node draws its
+    uniform up front (the same law), hits with its chance and matches when it hits and no earlier sibling hit.
+    Drafts chosen by rank: child ``c`` hits with ``p(c)`` renormalised over what its earlier siblings' rejections
+    left (zero for a token an earlier sibling already tried), and the bonus is an exponential race over the last
+    node's distribution with its children's tokens removed. Drawn drafts: recursive rejection sampling of every
+    parent's children at once (``ops.drawn_hits``), and the bonus races over the last node's residual."""
     N = tokens.shape[0]
-    idx = torch.arange(N, device=tokens.device)
-    p = probs[parents.clamp(min=0), tokens]                      # each node's chance under its parent's law
-    earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])   # [i, s]: s tried before i
-    twin = _earlier_twin(tokens, parents)
-    tried = (earlier & ~twin[None, :]).to(p.dtype) @ p            # mass the earlier siblings' rejections removed
-    chance = torch.where(twin, 0.0, p / (1 - tried).clamp(min=torch.finfo(p.dtype).tiny))
-    hit = torch.rand(N, device=tokens.device) < chance
-    match = torch.where(parents >= 0, hit & ~(earlier & hit[None, :]).any(1), idx == 0)
-
-    def bonus(node: torch.Tensor) -> torch.Tensor:
-        rest = probs.index_select(0, node)[0]
-        children = (parents == node).to(rest.dtype)
-        rest = rest * (torch.zeros_like(rest).scatter_add(0, tokens, children) == 0)
-        return (rest / torch.empty_like(rest).exponential_()).argmax().view(1)
-    return _walk(tokens, ancestors, match, bonus, cap)
-
-
-def _sample_accept_drawn(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, probs: torch.Tensor,
-                         draft_probs: torch.Tensor, cap: int, siblings: int) -> DeviceAcceptance:
-    """``sample_accept`` for children drawn from ``draft_probs``: the host's recursive rejection sampling, every node
-    at once, one sibling rank at a time. Each parent holds its residual ``p`` and its ``q`` without the draws tried so
-    far; the child of rank ``r`` hits with chance ``min(1, p(x) / q(x))`` of its parent's rows after ranks ``< r``,
-    and matches when it hits and no earlier sibling hit; the bonus is an exponential race over the last node's
-    residual after all its children."""
-    N = tokens.shape[0]
-    idx = torch.arange(N, device=tokens.device)
-    earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])
-    rank = earlier.sum(1)
-    # child_of[u, r]: node u's child of rank r, or N (none); a padding column takes what does not belong
-    child_of = torch.full((N + 1, siblings + 1), N, dtype=torch.long, device=tokens.device)
-    drafted = (parents >= 0) & (rank < siblings)
-    child_of[torch.where(drafted, parents, N), torch.where(drafted, rank, siblings)] = idx
-    child_of = child_of[:N, :siblings]
-    p, q = probs.float(), draft_probs.float()
-    u = torch.rand(N, device=tokens.device)
-    hit = torch.zeros(N + 1, dtype=torch.bool, device=tokens.device)
-    for r in range(siblings):
-        child = child_of[:, r]
-        has = child < N
-        x = tokens[child.clamp(max=N - 1)][:, None]
-        px, qx = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
-        hit[child] = has & (qx > 0) & (u[child.clamp(max=N - 1)] * qx < px)
-        p = torch.where(has[:, None], _residual(p, q), p)
-        q = torch.where(has[:, None], _without(q, x[:, 0]), q)
-    hit = hit[:N]
-    match = torch.where(parents >= 0, hit & ~(earlier & hit[None, :]).any(1), idx == 0)
-
-    def bonus(node: torch.Tensor) -> torch.Tensor:
-        rest = p.index_select(0, node)[0]
-        return (rest / torch.empty_like(rest).exponential_()).argmax().view(1)
-    return _walk(tokens, ancestors, match, bonus, cap)
+    uniforms = torch.rand(N, device=tokens.device)
+    if draft_probs is None:
+        idx = torch.arange(N, device=tokens.device)
+        p = probs[parents.clamp(min=0), tokens]                      # each node's chance under its parent's law
+        earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])   # [i, s]: s before i
+        twin = earlier_twin(tokens, parents)
+        tried = (earlier & ~twin[None, :]).to(p.dtype) @ p            # mass the earlier siblings' rejections removed
+        hit = uniforms < torch.where(twin, 0.0, p / (1 - tried).clamp(min=torch.finfo(p.dtype).tiny))
+    else:
+        hit, residual = ops.drawn_hits(tokens, parents, probs, draft_probs, uniforms, siblings)
+    walked = ops.accept_walk(tokens, parents, ancestors, cap, hit=hit)
+    node = walked[-1:]
+    children = parents == node
+    rest = probs.index_select(0, node)[0].float()
+    if draft_probs is None:
+        rest = rest * (torch.zeros_like(rest).scatter_add(0, tokens, children.to(rest.dtype)) == 0)
+    else:
+        rest = torch.where(children.any(), residual.index_select(0, node)[0], rest)
+    bonus = (rest / torch.empty_like(rest).exponential_()).argmax()
+    emitted = walked[1:1 + cap]
+    emitted.masked_fill_(emitted < 0, bonus)
+    return _acceptance(walked, cap)
 
 
-def _earlier_twin(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """``[N]``: whether an earlier sibling holds the same token (the host walk never reaches such a node)."""
-    idx = torch.arange(tokens.shape[0], device=tokens.device)
-    return ((parents[None, :] == parents[:, None]) & (tokens[None, :] == tokens[:, None])
-            & (idx[None, :] < idx[:, None])).any(1)
-
-
-def _walk(tokens: torch.Tensor, ancestors: torch.Tensor, match: torch.Tensor, bonus, cap: int) -> DeviceAcceptance:
-    """The accepted path of nodes whose whole root path matches, ending at the deepest one, and the emitted tokens:
-    its drafts, then ``bonus(node)`` (the target's own token after the last node ``node [1]``)."""
-    N = tokens.shape[0]
-    idx = torch.arange(N, device=tokens.device)
-    accepted = ~(ancestors & ~match[None, :]).any(1)
-    depth = ancestors.sum(1)
-    node = torch.where(accepted, depth, 0).argmax().view(1)
-    length = depth.index_select(0, node)
-    on_path = ancestors.index_select(0, node)[0]
-    slot = torch.where(on_path, depth - 1, cap)                # a path node's position; the rest to a spare slot
-    path = node.repeat(cap + 1).scatter(0, slot, idx)[:cap]
-    after = torch.cat([path[1:], node])                         # the node each emitted draft token comes from
-    emitted = torch.where(torch.arange(cap, device=idx.device) + 1 < length, tokens[after], bonus(node))
-    return DeviceAcceptance(node, length, path, emitted, torch.cat([length, emitted, path]))
+def _acceptance(walked: torch.Tensor, cap: int) -> DeviceAcceptance:
+    """``DeviceAcceptance`` as views of a walk's ``[length, emitted, path, node]``."""
+    return DeviceAcceptance(walked[-1:], walked[:1], walked[1 + cap:1 + 2 * cap], walked[1:1 + cap],
+                            walked[:1 + 2 * cap])
