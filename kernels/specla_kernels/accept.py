@@ -100,6 +100,9 @@ def _pass(p_row, q_row, p_scale, q_scale, drawn, V, write_row, WRITE: tl.constex
         total += tl.sum(rest, 0)
         if WRITE:
             tl.store(write_row + cols, rest, mask=m)
+    if WRITE:
+        # the next pass reads the row back in another layout (other threads): the writes must be visible
+        tl.debug_barrier()
     return total
 
 
@@ -148,6 +151,7 @@ def drawn_hits_kernel(tokens, parents, probs, draft, uniforms, hit, residual, N,
                     for v0 in range(0, V, BV):
                         cols = v0 + tl.arange(0, BV)
                         tl.store(out_row + cols, tl.load(p_row + cols, mask=cols < V, other=0.), mask=cols < V)
+                    tl.debug_barrier()
                     read_row = out_row
                 # the next rank draws without this token: its mass leaves q
                 first = tl.max((drawn == x).to(tl.int32), 0) == 0

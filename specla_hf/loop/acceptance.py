@@ -171,7 +171,7 @@ def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
         rest = torch.where(children.any(), residual.index_select(0, node)[0], rest)
     bonus = (rest / torch.empty_like(rest).exponential_()).argmax()
     emitted = walked[1:1 + cap]
-    emitted.masked_fill_(emitted < 0, bonus)
+    emitted.copy_(torch.where(emitted < 0, bonus, emitted))      # (a tensor fill value would sync the host)
     return _acceptance(walked, cap)
 
 
