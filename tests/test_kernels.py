@@ -990,9 +990,11 @@ def test_drawn_hits_match_reference(device, kind):
             if u_zero is not None:
                 draft[u_zero, tokens[kids[u_zero][0]]] = 0         # a draw q gives no mass
                 draft[u_zero] /= draft[u_zero].sum()
-        parent_of_root_child = int(parents[1]) if N > 1 and int(parents[1]) >= 0 else None
-        if parent_of_root_child is not None:
-            draft[parent_of_root_child] = probs[parent_of_root_child]   # q == p: nothing left after a rejection
+        q_is_p = int(parents[1]) if N > 1 and int(parents[1]) >= 0 else None
+        if q_is_p is not None:                                    # q == p: nothing left after a rejection; its
+            probs[q_is_p, tokens[kids[q_is_p]]] += 0.2             # children's tokens weigh well above rounding, so
+            probs[q_is_p] /= probs[q_is_p].sum()                  # that the later residuals are not rounding's
+            draft[q_is_p] = probs[q_is_p]
         uniforms = torch.rand(N, generator=gen)
         args = [t.to(device) for t in (tokens, parents, probs, draft, uniforms)]
         hit, residual = ops.drawn_hits(*args, siblings)

@@ -10,7 +10,9 @@ children ~15 a sibling rank, each a pass over ``[nodes, vocab]``), queued behind
   probabilities and a residual update in two passes over the vocabulary (its mass, then the rows); a node without
   children returns at once. ``p`` is kept as a row and a scale (its residual is left unnormalised: what reads it, an
   exponential race, is invariant to scale), ``q`` as the draft row with the earlier siblings' tokens masked and the
-  remaining mass.
+  remaining mass. Masses are summed in fp64 across the row's blocks, as the reference sums them (where ``q`` is
+  close to ``p`` the residual is a cancellation, and a sequential fp32 sum over 248K entries misses by more than a
+  drawn token's mass).
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Te
 def _pass(p_row, q_row, p_scale, q_scale, drawn, V, write_row, WRITE: tl.constexpr, BV: tl.constexpr):
     """One pass over a row: the residual ``max(p - q, 0)`` (``p = p_row * p_scale``, ``q = q_row * q_scale`` without
     the tokens in ``drawn``); returns its mass, and with ``WRITE`` stores it to ``write_row``."""
-    total = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
+    total = tl.sum(tl.zeros([BV], dtype=tl.float64), 0)
     for v0 in range(0, V, BV):
         cols = v0 + tl.arange(0, BV)
         m = cols < V
@@ -97,7 +99,7 @@ def _pass(p_row, q_row, p_scale, q_scale, drawn, V, write_row, WRITE: tl.constex
         q = tl.load(q_row + cols, mask=m, other=0.) * q_scale
         q = tl.where(tl.max((cols[:, None] == drawn[None, :]).to(tl.int32), 1) > 0, 0., q)
         rest = tl.maximum(p - q, 0.)
-        total += tl.sum(rest, 0)
+        total += tl.sum(rest, 0).to(tl.float64)
         if WRITE:
             tl.store(write_row + cols, rest, mask=m)
     if WRITE:
@@ -124,20 +126,20 @@ def drawn_hits_kernel(tokens, parents, probs, draft, uniforms, hit, residual, N,
     decided = tl.zeros([BN], dtype=tl.int32)
     if tl.sum(has.to(tl.int32), 0) > 0:
         p_row, q_row, out_row = probs + u.to(tl.int64) * s_p, draft + u.to(tl.int64) * s_q, residual + u.to(tl.int64) * V
-        q_total = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
+        q_total = tl.sum(tl.zeros([BV], dtype=tl.float64), 0)
         for v0 in range(0, V, BV):
             cols = v0 + tl.arange(0, BV)
-            q_total += tl.sum(tl.load(q_row + cols, mask=cols < V, other=0.), 0)
-        read_row, p_scale, q_mass = p_row, q_total * 0 + 1, q_total
+            q_total += tl.sum(tl.load(q_row + cols, mask=cols < V, other=0.), 0).to(tl.float64)
+        read_row, p_scale, q_mass = p_row, tl.sum(tl.zeros([BV], dtype=tl.float32), 0) + 1, q_total
         for r in tl.static_range(SIBLINGS):
             if tl.sum(tl.where(s == r, has.to(tl.int32), 0), 0) > 0:
                 c = tl.sum(tl.where(s == r, kid, 0), 0)
                 x = tl.sum(tl.where(s == r, kid_tok, 0), 0)
                 drawn = tl.where(s < r, kid_tok, -1)                 # the earlier siblings' tokens
                 if r == 0:                                      # q as given (the reference renormalises it
-                    q_scale = q_mass * 0 + 1                    # only once a draw is removed)
+                    q_scale = p_scale * 0 + 1                   # only once a draw is removed)
                 else:
-                    q_scale = tl.where(q_mass > 0, 1 / q_mass, 0.)
+                    q_scale = tl.where(q_mass > 0, 1 / q_mass, 0.).to(tl.float32)
                 px = tl.load(read_row + x) * p_scale
                 qx = tl.load(q_row + x) * q_scale
                 qx = tl.where(tl.max((drawn == x).to(tl.int32), 0) > 0, 0., qx)
@@ -146,7 +148,7 @@ def drawn_hits_kernel(tokens, parents, probs, draft, uniforms, hit, residual, N,
                 total = _pass(read_row, q_row, p_scale, q_scale, drawn, V, out_row, False, BV)
                 if total > 0:
                     _pass(read_row, q_row, p_scale, q_scale, drawn, V, out_row, True, BV)
-                    read_row, p_scale = out_row, 1 / total
+                    read_row, p_scale = out_row, (1 / total).to(tl.float32)
                 elif r == 0:                                    # nothing left: p itself goes on
                     for v0 in range(0, V, BV):
                         cols = v0 + tl.arange(0, BV)
@@ -155,7 +157,7 @@ def drawn_hits_kernel(tokens, parents, probs, draft, uniforms, hit, residual, N,
                     read_row = out_row
                 # the next rank draws without this token: its mass leaves q
                 first = tl.max((drawn == x).to(tl.int32), 0) == 0
-                q_mass -= tl.where(first, tl.load(q_row + x), 0.)
+                q_mass -= tl.where(first, tl.load(q_row + x), 0.).to(tl.float64)
     tl.store(hit + i, decided.to(tl.int8), mask=child)
     if tl.load(parents + u) < 0:
         tl.store(hit + u, 0)

@@ -490,10 +490,12 @@ def accept_walk_ref(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torc
 
 def rejection_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """What a rejected draw from ``q`` leaves of ``p`` (last dim): ``norm(max(p - q, 0))``; ``p`` itself where
-    nothing is left (``p == q`` up to rounding, where a rejection has no chance but rounding's)."""
+    nothing is left (``p == q`` up to rounding, where a rejection has no chance but rounding's). Masses are summed in
+    fp64: where ``q`` is close to ``p`` the residual is a cancellation that an fp32 sum over a 248K vocabulary can
+    miss by more than a token's mass."""
     rest = (p - q).clamp(min=0)
-    total = rest.sum(-1, keepdim=True)
-    return torch.where(total > 0, rest / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+    total = rest.sum(-1, keepdim=True, dtype=torch.float64)
+    return torch.where(total > 0, (rest / total.clamp(min=torch.finfo(p.dtype).tiny)).to(p.dtype), p)
 
 
 def without_draw(q: torch.Tensor, x: torch.Tensor | int) -> torch.Tensor:
@@ -504,7 +506,7 @@ def without_draw(q: torch.Tensor, x: torch.Tensor | int) -> torch.Tensor:
         q[x] = 0
     else:
         q.scatter_(-1, x[:, None], 0)
-    return q / q.sum(-1, keepdim=True).clamp(min=torch.finfo(q.dtype).tiny)
+    return (q / q.sum(-1, keepdim=True, dtype=torch.float64).clamp(min=torch.finfo(q.dtype).tiny)).to(q.dtype)
 
 
 def drawn_hits_ref(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, draft_probs: torch.Tensor,
