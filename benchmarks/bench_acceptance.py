@@ -13,27 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from unittest import mock
 
 import torch
-import triton
 
-from specla_hf.loop.acceptance import greedy_accept, sample_accept
-from specla_kernels import ops
-from specla_kernels import reference as ref
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import bench_graph  # noqa: E402
+
+from specla_hf.loop.acceptance import greedy_accept, sample_accept  # noqa: E402
+from specla_kernels import ops  # noqa: E402
+from specla_kernels import reference as ref  # noqa: E402
 
 # (name, attention layers, key/value heads, head dim): Qwen3.5-0.8B and -9B
 KV_SHAPES = [("qwen3.5-0.8b", 6, 2, 256), ("qwen3.5-9b", 8, 4, 256)]
-
-
-def graphed_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=20, rep=200) * 1e3
 
 
 def both_ways(fn) -> dict[str, float]:
@@ -42,6 +36,11 @@ def both_ways(fn) -> dict[str, float]:
     with mock.patch.object(ops, "use_triton", lambda t: False):
         torch_form = graphed_us(fn)
     return dict(kernels_us=kernels, torch_us=torch_form)
+
+
+def graphed_us(fn) -> float:
+    """Microseconds of one CUDA graph replay of ``fn`` (``bench_kernels.bench_graph``)."""
+    return bench_graph(fn) * 1e3
 
 
 def torch_commit_kv(path, length, keys, values, committed) -> None:
