@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 MAX_NODES = 128
+MAX_VOCAB = 16384     # ``drawn_hits`` above it: slower than torch on the H200 at 248K (one program streams a row)
 
 
 @triton.jit
