@@ -134,7 +134,7 @@ def commit_kv_(path: torch.Tensor, length: torch.Tensor, keys: list[torch.Tensor
                committed: list[torch.Tensor]) -> None:
     """Keep the path's entries (``path [B, P]``, root first, ``length [B]`` of its nodes) right after each attention
     layer's ``committed [B]`` positions in its ``keys``/``values`` buffers and advance the counts (see
-    ``commit_kv_ref``): two launches for every layer on the Triton path, the reference layer by layer otherwise."""
+    ``commit_kv_ref``): two launches for all the layers on the Triton path, the reference layer by layer otherwise."""
     if use_triton(keys[0]):
         _commit.commit_kv_(path, length, keys, values, committed)
     else:

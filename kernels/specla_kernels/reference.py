@@ -448,11 +448,15 @@ def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 # ---------------------------------------------------------------------------------------------------------------------
 # acceptance of a verified tree (the device loop's step; the rule is ``specla_hf.loop.acceptance``)
 # ---------------------------------------------------------------------------------------------------------------------
+def earlier_siblings(parents: torch.Tensor) -> torch.Tensor:
+    """``[N, N]``: ``[i, s]`` whether node ``s`` is a sibling of node ``i`` tried before it (children in node order)."""
+    idx = torch.arange(parents.shape[0], device=parents.device)
+    return (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])
+
+
 def earlier_twin(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """``[N]``: whether an earlier sibling holds the same token (a walk trying children in order never reaches it)."""
-    idx = torch.arange(tokens.shape[0], device=tokens.device)
-    return ((parents[None, :] == parents[:, None]) & (tokens[None, :] == tokens[:, None])
-            & (idx[None, :] < idx[:, None])).any(1)
+    return (earlier_siblings(parents) & (tokens[None, :] == tokens[:, None])).any(1)
 
 
 def accept_walk_ref(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Tensor, cap: int,
@@ -472,8 +476,7 @@ def accept_walk_ref(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torc
     if argmax is not None:
         fits = (tokens == argmax[parents.clamp(min=0)]) & ~earlier_twin(tokens, parents)
     else:
-        earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])
-        fits = hit & ~(earlier & hit[None, :]).any(1)
+        fits = hit & ~(earlier_siblings(parents) & hit[None, :]).any(1)
     match = torch.where(parents >= 0, fits, idx == 0)
     accepted = ~(ancestors & ~match[None, :]).any(1)
     depth = ancestors.sum(1)
@@ -519,7 +522,7 @@ def drawn_hits_ref(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Ten
     in fp32 (a row without children: ``probs``'s)."""
     N = tokens.shape[0]
     idx = torch.arange(N, device=tokens.device)
-    rank = ((parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])).sum(1)
+    rank = earlier_siblings(parents).sum(1)
     # child_of[u, r]: node u's child of rank r, or N (none); a padding column takes what does not belong
     child_of = torch.full((N + 1, siblings + 1), N, dtype=torch.long, device=tokens.device)
     drafted = (parents >= 0) & (rank < siblings)

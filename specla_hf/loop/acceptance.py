@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from specla_kernels import ops
-from specla_kernels.reference import earlier_twin, rejection_residual, without_draw
+from specla_kernels.reference import earlier_siblings, earlier_twin, rejection_residual, without_draw
 
 # processors whose output row depends on that row of scores alone, not on the sequence: a tree's rows (each node with
 # its own context) are processed together, on the device. Exact classes: a subclass may read the sequence.
@@ -153,9 +153,8 @@ def sample_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
     N = tokens.shape[0]
     uniforms = torch.rand(N, device=tokens.device)
     if draft_probs is None:
-        idx = torch.arange(N, device=tokens.device)
         p = probs[parents.clamp(min=0), tokens]                      # each node's chance under its parent's law
-        earlier = (parents[None, :] == parents[:, None]) & (idx[None, :] < idx[:, None])   # [i, s]: s before i
+        earlier = earlier_siblings(parents)
         twin = earlier_twin(tokens, parents)
         tried = (earlier & ~twin[None, :]).to(p.dtype) @ p            # mass the earlier siblings' rejections removed
         hit = uniforms < torch.where(twin, 0.0, p / (1 - tried).clamp(min=torch.finfo(p.dtype).tiny))
