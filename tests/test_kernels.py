@@ -8,6 +8,7 @@ leaks into other test modules. With a GPU the same tests run compiled at the fla
 allocate starts poisoned with NaN, so an element a kernel forgets to write fails the test.
 """
 import functools
+import itertools
 import os
 import subprocess
 import sys
@@ -968,18 +969,24 @@ def test_accept_walk_matches_reference(device, kind):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["bushy", "deep", "star"])
 def test_drawn_hits_match_reference(device, kind):
-    """Recursive rejection sampling of drawn children (one program per parent) against ``drawn_hits_ref`` with the
-    same uniforms: the same hits, and residual rows proportional to the reference's for every node with children;
-    vocabularies of one block and of several, children past ``siblings`` (never hit), a repeated sibling token, a
-    child ``q`` gives no mass and a parent whose ``q`` equals ``p`` (no residual: ``p`` goes on)."""
+    """Recursive rejection sampling of drawn children (a launch per sibling rank over rows split in blocks) against
+    ``drawn_hits_ref`` with the same uniforms: the same hits, and residual rows proportional to the reference's for
+    every node with children; vocabularies of one block and of several (a last block partly past the vocabulary),
+    children past ``siblings`` (never hit), a repeated sibling token, a child ``q`` gives no mass and a parent whose
+    ``q`` equals ``p`` (no residual: ``p`` goes on)."""
     gen = seeded(kind, "drawn")
     N = min(SIZES[device][kind], 40)
     parents = random_parents(kind, 1, N, gen)[0].to(device)
     siblings = 3
-    for V in ((300, 2500) if device == "cpu" else (8192, 248320)):
-        tokens = torch.randint(0, V, (N,), generator=gen)
-        probs = torch.softmax(torch.randn(N, V, generator=gen) * 3, -1)
-        draft = torch.softmax(torch.randn(N, V, generator=gen) * 3, -1)
+    for V, close in itertools.product((300, 2500) if device == "cpu" else (8192, 248320), (False, True)):
+        logits = torch.randn(N, V, generator=gen) * 3
+        draft = torch.softmax(logits, -1)
+        if close:       # a drafter near the target, drafts drawn from it: p / q near 1, so every rank's hit turns
+            probs = torch.softmax(logits + torch.randn(N, V, generator=gen) * 0.7, -1)  # on the residual's scale
+            tokens = torch.multinomial(draft[parents.cpu().clamp(min=0)], 1, generator=gen)[:, 0]
+        else:
+            probs = torch.softmax(torch.randn(N, V, generator=gen) * 3, -1)
+            tokens = torch.randint(0, V, (N,), generator=gen)
         kids = [[c for c in range(N) if int(parents[c]) == u] for u in range(N)]
         u_multi = next((u for u in range(N) if len(kids[u]) >= 2), None)
         if u_multi is not None:
@@ -998,13 +1005,13 @@ def test_drawn_hits_match_reference(device, kind):
             draft[q_is_p] = probs[q_is_p]
         uniforms = torch.rand(N, generator=gen)
         args = [t.to(device) for t in (tokens, parents, probs, draft, uniforms)]
-        hit, residual = accept_kernels.drawn_hits(*args, siblings)     # the kernel at every size (ops keeps it
-                                                                       # to vocabularies up to MAX_VOCAB)
+        hit, residual = accept_kernels.drawn_hits(*args, siblings, **({"block": 1024} if device == "cpu" else {}))
         want_hit, want_residual = ref.drawn_hits_ref(*args, siblings)
-        assert torch.equal(hit, want_hit), (V, hit, want_hit)
+        assert torch.equal(hit, want_hit), (V, close, hit, want_hit)
         with_kids = torch.tensor([bool(k) for k in kids], device=device)
         got_rows = residual[with_kids]
-        check(got_rows / got_rows.sum(-1, keepdim=True), want_residual[with_kids], 1e-5, f"residual rows, V {V}")
+        check(got_rows / got_rows.sum(-1, keepdim=True), want_residual[with_kids], 1e-5,
+              f"residual rows, V {V}, close {close}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

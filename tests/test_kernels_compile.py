@@ -154,7 +154,7 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
             "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel",
-            "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_hits_kernel"} <= names, names
+            "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_rank_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",

@@ -6,13 +6,15 @@ children ~15 a sibling rank, each a pass over ``[nodes, vocab]``), queued behind
 
 - ``accept_walk``: one program holds the whole tree (at most 128 nodes): which nodes match, which are accepted (every
   ancestor matches), the deepest, its root path and the emitted tokens, from ``[N, N]`` comparisons in registers.
-- ``drawn_hits``: one program per parent node walks its children in rank order, each a decision from two loaded
-  probabilities and a residual update in two passes over the vocabulary (its mass, then the rows); a node without
-  children returns at once. ``p`` is kept as a row and a scale (its residual is left unnormalised: what reads it, an
-  exponential race, is invariant to scale), ``q`` as the draft row with the earlier siblings' tokens masked and the
-  remaining mass. Masses are summed in fp64 across the row's blocks, as the reference sums them (where ``q`` is
-  close to ``p`` the residual is a cancellation, and a sequential fp32 sum over 248K entries misses by more than a
-  drawn token's mass).
+- ``drawn_hits``: one launch per sibling rank over ``[parents, vocabulary blocks]``, so a 248K row is spread over
+  ~120 programs. A rank's residual needs the mass of the one before it, which only a whole row gives, so no row is
+  written between ranks: each launch replays the earlier ranks' rejections elementwise from ``p``, ``q`` and the
+  per-block masses the earlier launches stored, decides its own rank where its token lies, and stores its blocks'
+  masses; a last launch writes the rows. ``p`` is kept as a row and a scale (the residual is left unnormalised: what
+  reads it, an exponential race, is invariant to scale), ``q`` as the draft row with the earlier siblings' tokens
+  zeroed and its remaining mass. Masses are summed in fp64, as the reference sums them (where ``q`` is close to
+  ``p`` the residual is a cancellation, and an fp32 sum over 248K entries misses by more than a drawn token's
+  mass).
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ import triton
 import triton.language as tl
 
 MAX_NODES = 128
-MAX_VOCAB = 16384     # ``drawn_hits`` above it: slower than torch on the H200 at 248K (one program streams a row)
 
 
 @triton.jit
@@ -89,30 +90,15 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Te
 
 
 @triton.jit
-def _pass(p_row, q_row, p_scale, q_scale, drawn, V, write_row, WRITE: tl.constexpr, BV: tl.constexpr):
-    """One pass over a row: the residual ``max(p - q, 0)`` (``p = p_row * p_scale``, ``q = q_row * q_scale`` without
-    the tokens in ``drawn``); returns its mass, and with ``WRITE`` stores it to ``write_row``."""
-    total = tl.sum(tl.zeros([BV], dtype=tl.float64), 0)
-    for v0 in range(0, V, BV):
-        cols = v0 + tl.arange(0, BV)
-        m = cols < V
-        p = tl.load(p_row + cols, mask=m, other=0.) * p_scale
-        q = tl.load(q_row + cols, mask=m, other=0.) * q_scale
-        q = tl.where(tl.max((cols[:, None] == drawn[None, :]).to(tl.int32), 1) > 0, 0., q)
-        rest = tl.maximum(p - q, 0.)
-        total += tl.sum(rest, 0).to(tl.float64)
-        if WRITE:
-            tl.store(write_row + cols, rest, mask=m)
-    if WRITE:
-        # the next pass reads the row back in another layout (other threads): the writes must be visible
-        tl.debug_barrier()
-    return total
-
-
-@triton.jit
-def drawn_hits_kernel(tokens, parents, probs, draft, uniforms, hit, residual, N, V, s_p, s_q,
-                      SIBLINGS: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr):
+def drawn_rank_kernel(tokens, parents, probs, draft, uniforms, hit, residual, partial, q_partial, N, V, C, R,
+                      s_p, s_q, SIBLINGS: tl.constexpr, FINAL: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+                      BV: tl.constexpr, BC: tl.constexpr):
+    """Program ``(u, c)``: parent ``u``'s row over block ``c`` of the vocabulary. It replays the rejections of ranks
+    ``< R`` elementwise from ``p``, ``q`` and the masses the earlier launches summed, then decides rank ``R``'s child
+    (the block holding its token) and stores its block's residual mass; ``FINAL`` stores the residual after every
+    rank instead."""
     u = tl.program_id(0)
+    c = tl.program_id(1)
     i = tl.arange(0, BN)
     valid = i < N
     par = tl.load(parents + i, mask=valid, other=-2)
@@ -124,59 +110,70 @@ def drawn_hits_kernel(tokens, parents, probs, draft, uniforms, hit, residual, N,
     has = tl.max(of_rank.to(tl.int32), 1) > 0
     kid = tl.where(has, tl.sum(tl.where(of_rank, i[None, :], 0), 1), 0)
     kid_tok = tl.where(has, tl.load(tokens + kid, mask=has, other=0), -1)
-    decided = tl.zeros([BN], dtype=tl.int32)
-    if tl.sum(has.to(tl.int32), 0) > 0:
-        p_row, q_row, out_row = probs + u.to(tl.int64) * s_p, draft + u.to(tl.int64) * s_q, residual + u.to(tl.int64) * V
-        q_total = tl.sum(tl.zeros([BV], dtype=tl.float64), 0)
-        for v0 in range(0, V, BV):
-            cols = v0 + tl.arange(0, BV)
-            q_total += tl.sum(tl.load(q_row + cols, mask=cols < V, other=0.), 0).to(tl.float64)
-        read_row, p_scale, q_mass = p_row, tl.sum(tl.zeros([BV], dtype=tl.float32), 0) + 1, q_total
-        for r in tl.static_range(SIBLINGS):
-            if tl.sum(tl.where(s == r, has.to(tl.int32), 0), 0) > 0:
-                c = tl.sum(tl.where(s == r, kid, 0), 0)
-                x = tl.sum(tl.where(s == r, kid_tok, 0), 0)
-                drawn = tl.where(s < r, kid_tok, -1)                 # the earlier siblings' tokens
-                if r == 0:                                      # q as given (the reference renormalises it
-                    q_scale = p_scale * 0 + 1                   # only once a draw is removed)
-                else:
-                    q_scale = tl.where(q_mass > 0, 1 / q_mass, 0.).to(tl.float32)
-                px = tl.load(read_row + x) * p_scale
-                qx = tl.load(q_row + x) * q_scale
-                qx = tl.where(tl.max((drawn == x).to(tl.int32), 0) > 0, 0., qx)
-                hit_c = (qx > 0) & (tl.load(uniforms + c) * qx < px)
-                decided = tl.where(i == c, hit_c.to(tl.int32), decided)
-                total = _pass(read_row, q_row, p_scale, q_scale, drawn, V, out_row, False, BV)
-                if total > 0:
-                    _pass(read_row, q_row, p_scale, q_scale, drawn, V, out_row, True, BV)
-                    read_row, p_scale = out_row, (1 / total).to(tl.float32)
-                elif r == 0:                                    # nothing left: p itself goes on
-                    for v0 in range(0, V, BV):
-                        cols = v0 + tl.arange(0, BV)
-                        tl.store(out_row + cols, tl.load(p_row + cols, mask=cols < V, other=0.), mask=cols < V)
-                    tl.debug_barrier()
-                    read_row = out_row
-                # the next rank draws without this token: its mass leaves q
-                first = tl.max((drawn == x).to(tl.int32), 0) == 0
-                q_mass -= tl.where(first, tl.load(q_row + x), 0.).to(tl.float64)
-    tl.store(hit + i, decided.to(tl.int8), mask=child)
-    if tl.load(parents + u) < 0:
-        tl.store(hit + u, 0)
+    n_kids = tl.sum(has.to(tl.int32), 0)
+    if FINAL:
+        steps = n_kids
+        go = n_kids > 0
+    else:
+        steps = R
+        go = n_kids > R
+    if go:
+        cols = c * BV + tl.arange(0, BV)
+        m = cols < V
+        cur = tl.load(probs + u.to(tl.int64) * s_p + cols, mask=m, other=0.)
+        q = tl.load(draft + u.to(tl.int64) * s_q + cols, mask=m, other=0.)
+        b = tl.arange(0, BC)
+        q_mass = tl.sum(tl.load(q_partial + u * C + b, mask=(b < C) & (steps > 0), other=0.), 0)
+        p_scale = tl.sum(tl.zeros([BV], dtype=tl.float32), 0) + 1
+        for k in range(steps):
+            x = tl.sum(tl.where(s == k, kid_tok, 0), 0)
+            # rank 0 takes q as given; the reference renormalises it only once a draw is removed
+            q_scale = tl.where(k == 0, 1., tl.where(q_mass > 0, 1 / q_mass, 0.)).to(tl.float32)
+            total = tl.sum(tl.load(partial + (u * SIBLINGS + k) * C + b, mask=b < C, other=0.), 0)
+            # a rejection that leaves nothing (``q == p`` up to rounding) leaves ``p`` as it was
+            cur = tl.where(total > 0, tl.maximum(cur * p_scale - q * q_scale, 0.), cur)
+            p_scale = tl.where(total > 0, (1 / total).to(tl.float32), p_scale)
+            # the next rank draws without this token: its mass leaves q (once, for a repeated token)
+            first = tl.max((tl.where(s < k, kid_tok, -1) == x).to(tl.int32), 0) == 0
+            q_mass -= tl.where(first, tl.load(draft + u.to(tl.int64) * s_q + x), 0.).to(tl.float64)
+            q = tl.where(cols == x, 0., q)
+        if FINAL:
+            tl.store(residual + u.to(tl.int64) * V + cols, cur, mask=m)
+        else:
+            q_scale = tl.where(R == 0, 1., tl.where(q_mass > 0, 1 / q_mass, 0.)).to(tl.float32)
+            rest = tl.maximum(cur * p_scale - q * q_scale, 0.)
+            tl.store(partial + (u * SIBLINGS + R) * C + c, tl.sum(rest.to(tl.float64), 0))
+            if R == 0:
+                tl.store(q_partial + u * C + c, tl.sum(q.to(tl.float64), 0))
+            x = tl.sum(tl.where(s == R, kid_tok, 0), 0)
+            if (x >= c * BV) & (x < c * BV + BV):
+                px = tl.sum(tl.where(cols == x, cur, 0.), 0) * p_scale
+                qx = tl.sum(tl.where(cols == x, q, 0.), 0) * q_scale
+                node = tl.sum(tl.where(s == R, kid, 0), 0)
+                tl.store(hit + node, ((qx > 0) & (tl.load(uniforms + node) * qx < px)).to(tl.int8))
 
 
 def drawn_hits(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, draft_probs: torch.Tensor,
-               uniforms: torch.Tensor, siblings: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``drawn_hits_ref`` in one launch (at most ``MAX_NODES`` nodes; ``probs``, ``draft_probs [N, V]`` fp32 with
-    contiguous rows). The residual rows are proportional to the reference's and written only for nodes with
-    children (the others' are undefined: a row without children is ``probs``'s)."""
+               uniforms: torch.Tensor, siblings: int, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """``drawn_hits_ref`` in ``siblings + 1`` launches of ``[N, vocab / block]`` programs, one a sibling rank and
+    one for the residual rows (at most ``MAX_NODES`` nodes; ``probs``, ``draft_probs [N, V]`` fp32 with contiguous
+    rows). A rank's launch sums no row it did not read: its blocks' residual masses are kept per block, in fp64, and
+    the next launch adds them up in a fixed order. The residual rows are proportional to the reference's and written
+    only for nodes with children (the others' are undefined: a row without children is ``probs``'s)."""
     N, V = probs.shape
     if N > MAX_NODES:
         raise ValueError(f"the rejection kernel takes trees of at most {MAX_NODES} nodes, got {N}")
     if probs.dtype != torch.float32 or draft_probs.dtype != torch.float32:
         raise ValueError("the target's and the drafter's probabilities must be float32")
-    hit = torch.empty(N, dtype=torch.int8, device=probs.device)
+    C = triton.cdiv(V, block)
+    hit = torch.zeros(N, dtype=torch.int8, device=probs.device)
     residual = torch.empty(N, V, dtype=torch.float32, device=probs.device)
-    drawn_hits_kernel[(N,)](tokens, parents, probs, draft_probs, uniforms, hit, residual, N, V, probs.stride(0),
-                            draft_probs.stride(0), SIBLINGS=siblings, BN=max(16, triton.next_power_of_2(N)),
-                            BS=max(16, triton.next_power_of_2(siblings)), BV=1024, num_warps=4)
+    partial = torch.empty(N, siblings, C, dtype=torch.float64, device=probs.device)
+    q_partial = torch.empty(N, C, dtype=torch.float64, device=probs.device)
+    for rank in range(siblings + 1):
+        drawn_rank_kernel[(N, C)](tokens, parents, probs, draft_probs, uniforms, hit, residual, partial, q_partial,
+                                  N, V, C, rank, probs.stride(0), draft_probs.stride(0), SIBLINGS=siblings,
+                                  FINAL=rank == siblings, BN=max(16, triton.next_power_of_2(N)),
+                                  BS=max(16, triton.next_power_of_2(siblings)), BV=block,
+                                  BC=max(16, triton.next_power_of_2(C)), num_warps=4)
     return hit.view(torch.bool), residual

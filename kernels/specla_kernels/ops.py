@@ -121,11 +121,8 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Te
 def drawn_hits(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, draft_probs: torch.Tensor,
                uniforms: torch.Tensor, siblings: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling of drawn children, every parent at once: each node's hit and each parent's
-    residual (rows without children undefined on the Triton path; see ``drawn_hits_ref``). The kernel streams a
-    parent's row through one program: on the H200 it is 3x faster than the torch form at an 8192-token vocabulary,
-    and 2.2x slower at 248K for 16 nodes (``benchmarks/bench_acceptance.py``), so larger vocabularies take the torch
-    form."""
-    if use_triton(probs) and probs.shape[0] <= _accept.MAX_NODES and probs.shape[1] <= _accept.MAX_VOCAB:
+    residual (rows without children undefined on the Triton path; see ``drawn_hits_ref``)."""
+    if use_triton(probs) and probs.shape[0] <= _accept.MAX_NODES:
         return _accept.drawn_hits(tokens, parents, probs.float(), draft_probs.float(), uniforms, siblings)
     return reference.drawn_hits_ref(tokens, parents, probs, draft_probs, uniforms, siblings)
 
