@@ -11,7 +11,9 @@ waiting for the previous one to end), once with the row-owner kernel and once wi
 columns per program. cuBLAS does the product only: the fused ops it leaves out are separate kernels in the unfused
 step. With ``$OUT`` set it writes ``$OUT/bench_gemv.json``. ``--configs`` also times the row-owner kernel at each
 of its tuned launch shapes; ``--scaling`` times plain products of 1024..32768 rows instead (``scaling``) and writes
-``$OUT/bench_gemv_scaling.json``.
+``$OUT/bench_gemv_scaling.json``. ``--fused-gemm ROWS`` times the verify pass's products on ``ROWS`` token rows
+instead (``fused_gemm_rows``): ``fused_gemm`` at its autotuner's pick and at every listed launch that fits, against
+cuBLAS's product alone, and writes ``$OUT/bench_fused_gemm_ROWS.json``.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from specla_kernels import reference as ref, tuning
-from specla_kernels.gemv import _configs, _tuned_kernel, _tuned_split, gemv
+from specla_kernels import fused_gemm as fg, reference as ref, tuning
+from specla_kernels.gemv import _configs, _kinds, _tuned_kernel, _tuned_split, gemv
 
 HID, H, HV, KD, VD, INTER, VOCAB, W, LAYERS = 2048, 6, 6, 256, 512, 5632, 16384, 4, 21
 CONV = 2 * H * KD + HV * VD
@@ -100,11 +102,74 @@ def scaling() -> list[dict]:
     return rows
 
 
+def fused_gemm_rows(M: int) -> list[dict]:
+    """The verify pass's products (``products``' five, their prologues and residual epilogue; no conv, which a tree
+    runs in ``tree_conv``) on ``M`` rows: ``fused_gemm`` at the autotuner's pick and at each listed launch that fits,
+    cuBLAS's product alone (the ops fused into ``fused_gemm`` are separate kernels beside it), 21 weight copies in one
+    graph. Where the verify pass's ~15 us a product above cuBLAS goes: the launch, or the kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    rows = []
+    for name, (w, _, kw) in products()[0].items():
+        N, K = w.shape
+        kw = {k: v for k, v in kw.items() if k != "conv"}
+        x = rnd(M, 2 * K if kw.get("swiglu") else K)
+        if "gate" in kw:
+            kw["gate"] = rnd(M, K)
+        if "add" in kw:
+            kw["add"], kw["add_out"] = rnd(M, K), torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+        if "residual" in kw:
+            kw["residual"] = rnd(M, N)
+        want = ref.fused_gemm_ref(w, x, **kw).float()
+        err = ((fg.fused_gemm(w, x, **kw).float() - want).norm() / want.norm()).item()
+        copies = [w] + [w.clone() for _ in range(LAYERS - 1)]
+        rhs = x[:, :K]
+        mb = w.numel() * w.element_size() / 2**20
+        row = dict(name=name.replace(", conv", ""), M=M, N=N, K=K, MB=mb, rel_err=err,
+                   cublas_us=bench([lambda c=c: F.linear(rhs, c) for c in copies]) * 1e3,
+                   tuned_us=bench([lambda c=c: fg.fused_gemm(c, x, **kw) for c in copies]) * 1e3, launches={})
+        pro = _kinds(**kw)[0]
+        shape = dict(x=x, K=K, MP=max(16, triton.next_power_of_2(M)), PRO=pro,
+                     HD=kw["norm"][0].numel() if "gate" in kw else 1)
+        for cfg in fg._configs():
+            if not fg._fits(cfg, shape, x.element_size()):
+                continue
+            launch = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            label = " ".join(f"{k}={v}" for k, v in launch.items())
+            try:
+                row["launches"][label] = bench([lambda c=c: fg.fused_gemm(c, x, **kw, config=launch)
+                                                for c in copies]) * 1e3
+            except triton.runtime.errors.OutOfResources as e:      # the shared-memory estimate let it through
+                row["launches"][label] = f"out of resources: {e}"
+        timed = {k: v for k, v in row["launches"].items() if isinstance(v, float)}
+        row["best"] = min(timed, key=timed.get) if timed else None
+        row["best_us"] = timed[row["best"]] if timed else None
+        for k in ("cublas", "tuned", "best"):
+            us = row[f"{k}_us"]
+            row[f"{k}_GBps"] = None if us is None else mb * 2**20 / us / 1e3
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
+        del copies
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scaling", action="store_true", help="only the time-vs-size line of plain products")
     ap.add_argument("--configs", action="store_true", help="also each row-owner launch shape")
+    ap.add_argument("--fused-gemm", type=int, metavar="ROWS", help="only the verify pass's products on ROWS rows")
     args = ap.parse_args()
+    if args.fused_gemm:
+        rows = fused_gemm_rows(args.fused_gemm)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], f"bench_fused_gemm_{args.fused_gemm}.json"), "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), triton=triton.__version__, rows=rows), f, indent=1)
+        print(f"\n| product, {args.fused_gemm} rows | MB | cuBLAS us (GB/s) | fused, autotuned us (GB/s) | fused, best "
+              "listed launch us (GB/s) | its launch |\n|---|---|---|---|---|---|")
+        for r in rows:
+            cell = lambda k: "-" if r[f"{k}_us"] is None else f"{r[f'{k}_us']:.1f} ({r[f'{k}_GBps']:.0f})"  # noqa: E731
+            print(f"| {r['name']} | {r['MB']:.1f} | {cell('cublas')} | {cell('tuned')} | {cell('best')} | {r['best']} |")
+        return
     if args.scaling:
         out = dict(device=torch.cuda.get_device_name(), scaling=scaling())
         if os.environ.get("OUT"):
