@@ -165,6 +165,10 @@ def drawn_hits(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
         raise ValueError(f"the rejection kernel takes trees of at most {MAX_NODES} nodes, got {N}")
     if probs.dtype != torch.float32 or draft_probs.dtype != torch.float32:
         raise ValueError("the target's and the drafter's probabilities must be float32")
+    if draft_probs.shape != probs.shape or tokens.shape != (N,) or parents.shape != (N,) or uniforms.shape != (N,):
+        raise ValueError(f"drawn_hits needs probs and draft_probs of one shape [nodes, vocab] and tokens, parents, "
+                         f"uniforms of [nodes]; got {list(probs.shape)}, {list(draft_probs.shape)}, "
+                         f"{list(tokens.shape)}, {list(parents.shape)}, {list(uniforms.shape)}")
     C = triton.cdiv(V, block)
     hit = torch.zeros(N, dtype=torch.int8, device=probs.device)
     residual = torch.empty(N, V, dtype=torch.float32, device=probs.device)
