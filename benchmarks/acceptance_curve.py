@@ -21,6 +21,7 @@ loop) and ``acceptance_curve.png``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -107,16 +108,32 @@ def prompts(eval_dir: Path, per_set: int) -> list[str]:
     return out
 
 
-COPY_BYTES_PER_S = 4.2e12     # the H200's measured copy rate: the most a kernel streaming weights reaches
+@functools.cache
+def copy_bytes_per_s() -> float:
+    """This GPU's copy rate (bytes read and written per second, best of 5 copies of 1 GiB): the most a kernel
+    streaming weights reaches (4.2e12 on an H200). Measured, so that a floor on another GPU is that GPU's."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / best
 
 
 def weight_floor_ms(model) -> float:
-    """The one-token step's least time on the H200: every weight it reads once at ``COPY_BYTES_PER_S``, which is all
+    """The one-token step's least time on this GPU: every weight it reads once at ``copy_bytes_per_s``, which is all
     of them but an untied input embedding (the step reads one row of it)."""
     embedding = model.get_input_embeddings().weight
     tied = embedding.data_ptr() == model.get_output_embeddings().weight.data_ptr()
     read = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 1e3 * (read - (0 if tied else embedding.numel() * embedding.element_size())) / COPY_BYTES_PER_S
+    return 1e3 * (read - (0 if tied else embedding.numel() * embedding.element_size())) / copy_bytes_per_s()
 
 
 def sync():
@@ -224,10 +241,13 @@ def measure(args) -> None:
             f"{r['graph_captures']} graph captures)")
 
     def timed(target, ids_list, n, seed=None, **kwargs):
-        run(target, ids_list, n, **kwargs)     # untimed: graphs of the shapes this acceptance leads the policy to
-        if seed is not None:
-            torch.manual_seed(seed)
-        return run(target, ids_list, n, **kwargs)
+        # untimed first: graphs of the shapes this acceptance leads the policy to, under sampling from the same seed
+        # (a sampled run that draws other tokens may reach tree sizes the timed one then captures and compiles for)
+        for _ in range(2):
+            if seed is not None:
+                torch.manual_seed(seed)
+            result = run(target, ids_list, n, **kwargs)
+        return result
 
     for method in args.methods.split(","):
         drafter, kw = METHODS[method]

@@ -29,8 +29,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import specla_hf
-from acceptance_curve import (add_fused_verify_option, log, log_shape_costs, prompts, run, speculation_counts,
-                              weight_floor_ms)
+from acceptance_curve import (add_fused_verify_option, copy_bytes_per_s, log, log_shape_costs, prompts, run,
+                              speculation_counts, weight_floor_ms)
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
 from specla_kernels import tuning
@@ -316,7 +316,8 @@ def bench(args, backends: tuple[str, ...]) -> None:
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": str(dtype),
             "prompts": len(ids_list), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
             "tree_attention_backends": list(backends) or "torch's choice", "draft_vocab": args.draft_vocab or None,
-            "fused_verify_max_nodes": args.fused_verify}
+            "fused_verify_max_nodes": args.fused_verify,
+            "copy_bytes_per_s": copy_bytes_per_s() if args.device == "cuda" else None}
     records = []
     for shape in args.shapes.split(","):
         target, drafters = (trained_pair(dtype, args.device) if shape == "trained" else random_pair(shape, dtype, args.device))
