@@ -89,7 +89,7 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Te
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])     # one compiled kernel for every rank (a 1 would be specialised apart)
 def drawn_rank_kernel(tokens, parents, probs, draft, uniforms, hit, residual, partial, q_partial, N, V, C, R,
                       s_p, s_q, SIBLINGS: tl.constexpr, FINAL: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
                       BV: tl.constexpr, BC: tl.constexpr):
