@@ -89,6 +89,13 @@ def accept_walk(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.Te
     return out
 
 
+@triton.jit
+def _q_scale(k, q_mass):
+    """Rank ``k``'s scale of ``q``: rank 0 takes it as given (the reference renormalises it only once a draw is
+    removed), a later one renormalises what the earlier draws left (nothing left: zero)."""
+    return tl.where(k == 0, 1., tl.where(q_mass > 0, 1 / q_mass, 0.)).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["R"])     # one compiled kernel for every rank (a 1 would be specialised apart)
 def drawn_rank_kernel(tokens, parents, probs, draft, uniforms, hit, residual, partial, q_partial, N, V, C, R,
                       s_p, s_q, SIBLINGS: tl.constexpr, FINAL: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
@@ -127,8 +134,7 @@ def drawn_rank_kernel(tokens, parents, probs, draft, uniforms, hit, residual, pa
         p_scale = tl.sum(tl.zeros([BV], dtype=tl.float32), 0) + 1
         for k in range(steps):
             x = tl.sum(tl.where(s == k, kid_tok, 0), 0)
-            # rank 0 takes q as given; the reference renormalises it only once a draw is removed
-            q_scale = tl.where(k == 0, 1., tl.where(q_mass > 0, 1 / q_mass, 0.)).to(tl.float32)
+            q_scale = _q_scale(k, q_mass)
             total = tl.sum(tl.load(partial + (u * SIBLINGS + k) * C + b, mask=b < C, other=0.), 0)
             # a rejection that leaves nothing (``q == p`` up to rounding) leaves ``p`` as it was
             cur = tl.where(total > 0, tl.maximum(cur * p_scale - q * q_scale, 0.), cur)
@@ -140,7 +146,7 @@ def drawn_rank_kernel(tokens, parents, probs, draft, uniforms, hit, residual, pa
         if FINAL:
             tl.store(residual + u.to(tl.int64) * V + cols, cur, mask=m)
         else:
-            q_scale = tl.where(R == 0, 1., tl.where(q_mass > 0, 1 / q_mass, 0.)).to(tl.float32)
+            q_scale = _q_scale(R, q_mass)
             rest = tl.maximum(cur * p_scale - q * q_scale, 0.)
             tl.store(partial + (u * SIBLINGS + R) * C + c, tl.sum(rest.to(tl.float64), 0))
             if R == 0:
@@ -157,8 +163,8 @@ def drawn_hits(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
                uniforms: torch.Tensor, siblings: int, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """``drawn_hits_ref`` in ``siblings + 1`` launches of ``[N, vocab / block]`` programs, one a sibling rank and
     one for the residual rows (at most ``MAX_NODES`` nodes; ``probs``, ``draft_probs [N, V]`` fp32 with contiguous
-    rows). A rank's launch sums no row it did not read: its blocks' residual masses are kept per block, in fp64, and
-    the next launch adds them up in a fixed order. The residual rows are proportional to the reference's and written
+    rows). Each block's residual mass is stored in fp64 and later launches add a parent's blocks in a fixed order, so
+    the sums do not depend on scheduling. The residual rows are proportional to the reference's and written
     only for nodes with children (the others' are undefined: a row without children is ``probs``'s)."""
     N, V = probs.shape
     if N > MAX_NODES:
