@@ -109,31 +109,38 @@ def prompts(eval_dir: Path, per_set: int) -> list[str]:
 
 
 @functools.cache
-def copy_bytes_per_s() -> float:
-    """This GPU's copy rate (bytes read and written per second, best of 5 copies of 1 GiB): the most a kernel
+def copy_bytes_per_s(device: str) -> float:
+    """``device``'s copy rate (bytes read and written per second, best of 5 copies of 1 GiB): the most a kernel
     streaming weights reaches (4.2e12 on an H200). Measured, so that a floor on another GPU is that GPU's."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
+        if src.is_cuda:       # events: the host's launch and sync would weigh on a copy of ~0.3 ms
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            seconds = a.elapsed_time(b) / 1e3
+        else:
+            t = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - t
+        best = min(best, seconds)
     del src, dst
     return 2 * (1 << 30) / best
 
 
 def weight_floor_ms(model) -> float:
-    """The one-token step's least time on this GPU: every weight it reads once at ``copy_bytes_per_s``, which is all
-    of them but an untied input embedding (the step reads one row of it)."""
+    """The one-token step's least time on the model's device: every weight it reads once at ``copy_bytes_per_s``,
+    which is all of them but an untied input embedding (the step reads one row of it)."""
     embedding = model.get_input_embeddings().weight
     tied = embedding.data_ptr() == model.get_output_embeddings().weight.data_ptr()
     read = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 1e3 * (read - (0 if tied else embedding.numel() * embedding.element_size())) / copy_bytes_per_s()
+    return 1e3 * (read - (0 if tied else embedding.numel() * embedding.element_size())) / copy_bytes_per_s(
+        str(embedding.device))
 
 
 def sync():

@@ -104,7 +104,7 @@ def scaling() -> list[dict]:
 
 def fused_gemm_rows(M: int) -> list[dict]:
     """The verify pass's products (``products``' five, their prologues and residual epilogue; no conv, which a tree
-    runs in ``tree_conv``) on ``M`` rows: ``fused_gemm`` at the autotuner's pick and at each listed launch that fits,
+    runs in ``tree_conv``) on ``M`` rows: ``fused_gemm`` at the autotuner's pick and at each launch it would time,
     cuBLAS's product alone (the ops fused into ``fused_gemm`` are separate kernels beside it), 21 weight copies in one
     graph. Where the verify pass's ~15 us a product above cuBLAS goes: the launch, or the kernel."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -128,12 +128,9 @@ def fused_gemm_rows(M: int) -> list[dict]:
         row = dict(name=name.replace(", conv", ""), M=M, N=N, K=K, MB=mb, rel_err=err,
                    cublas_us=bench([lambda c=c: F.linear(rhs, c) for c in copies]) * 1e3,
                    tuned_us=bench([lambda c=c: fg.fused_gemm(c, x, **kw) for c in copies]) * 1e3, launches={})
-        pro = _kinds(**kw)[0]
-        shape = dict(x=x, K=K, MP=max(16, triton.next_power_of_2(M)), PRO=pro,
-                     HD=kw["norm"][0].numel() if "gate" in kw else 1)
-        for cfg in fg._configs():
-            if not fg._fits(cfg, shape, x.element_size()):
-                continue
+        # the launches the autotuner would time (those that fit, else its one small launch)
+        for cfg in fg._prune(fg._configs(), dict(x=x, K=K), MP=max(16, triton.next_power_of_2(M)),
+                             PRO=_kinds(**kw)[0], HD=kw["norm"][0].numel() if "gate" in kw else 1):
             launch = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             label = " ".join(f"{k}={v}" for k, v in launch.items())
             try:

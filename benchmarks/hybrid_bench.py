@@ -317,7 +317,7 @@ def bench(args, backends: tuple[str, ...]) -> None:
             "prompts": len(ids_list), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
             "tree_attention_backends": list(backends) or "torch's choice", "draft_vocab": args.draft_vocab or None,
             "fused_verify_max_nodes": args.fused_verify,
-            "copy_bytes_per_s": copy_bytes_per_s() if args.device == "cuda" else None}
+            "copy_bytes_per_s": copy_bytes_per_s(str(torch.device(args.device)))}
     records = []
     for shape in args.shapes.split(","):
         target, drafters = (trained_pair(dtype, args.device) if shape == "trained" else random_pair(shape, dtype, args.device))
