@@ -88,9 +88,12 @@ def log_shape_costs(target) -> None:
 
 
 def speculation_counts(stats: list) -> dict:
-    """What the calls' speculative steps drafted (mean draft nodes a step) and how many graphs the calls captured."""
+    """What the calls' speculative steps drafted (mean draft nodes a step), how many graphs the calls captured, and
+    each call's tau, mode and the fallback's reason for it (what a default run decided, prompt by prompt)."""
     return dict(graph_captures=sum(s.graph_captures for s in stats),
-                draft_nodes=statistics.mean([n for s in stats for n in s.draft_nodes[:s.speculative_steps]] or [0]))
+                draft_nodes=statistics.mean([n for s in stats for n in s.draft_nodes[:s.speculative_steps]] or [0]),
+                calls=[dict(tau=s.tau, mode=s.mode, speculative_steps=s.speculative_steps, reason=s.mode_reason)
+                       for s in stats])
 
 
 def add_fused_verify_option(ap: argparse.ArgumentParser) -> None:
@@ -246,6 +249,9 @@ def measure(args) -> None:
         log(f"{r['method']:<34} noise {noise_scale:<4} T {temperature} tau {r['tau']:.2f} {ms:.3f} ms/token "
             f"{r['speedup_vs_graph_ar']:.2f}x graph AR ({r['mode']}, {r['draft_nodes']:.1f} nodes a step, "
             f"{r['graph_captures']} graph captures)")
+        for call in r["calls"] if fallback else ():
+            log(f"    tau {call['tau']:.2f} {call['mode']} after {call['speculative_steps']} speculative steps: "
+                f"{call['reason']}")
 
     def timed(target, ids_list, n, seed=None, **kwargs):
         # untimed first: graphs of the shapes this acceptance leads the policy to, under sampling from the same seed

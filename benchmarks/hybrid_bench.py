@@ -240,6 +240,9 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                                      assistant_model=drafter, **kw)
                     log(f"{shape}: {name} {method} noise {noise}: tau {records[-1]['tau']:.2f}, {ms:.2f} ms/token, "
                         f"{records[-1]['draft_nodes']:.1f} nodes a step, {records[-1]['graph_captures']} captures")
+                    for call in records[-1]["calls"] if kw.get("autoregressive_fallback", True) else ():
+                        log(f"    tau {call['tau']:.2f} {call['mode']} after {call['speculative_steps']} speculative "
+                            f"steps: {call['reason']}")
         log_shape_costs(target)
         for r in records:
             r["speedup_vs_ar"], r["speedup_vs_stock"] = ar / r["ms_per_token"], stock / r["ms_per_token"]

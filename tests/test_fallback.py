@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import statistics
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from transformers.generation.logits_process import LogitsProcessorList, Temperat
 
 from conftest import tiny_gdn
 from specla_hf.generation import draft_options, make_drafter
-from specla_hf.loop.policy import MAX_BACKOFF, FallbackMemory, FallbackPolicy, clear_speculation_memory, memory_key
+from specla_hf.loop.policy import (HISTORY, MAX_BACKOFF, FallbackMemory, FallbackPolicy, clear_speculation_memory,
+                                   memory_key)
 from specla_hf.models import adapter_for
 from test_cuda_graphs import emulate_graphs
 
@@ -112,9 +114,9 @@ def test_policy_judges_recent_steps_by_their_median():
     for seconds, tokens in ((50.0, 1), (2.0, 4), (2.0, 4)):   # a first step that captured graphs does not decide
         policy.observe(seconds, tokens)
     assert policy.verdict() is None and policy.seconds_per_token() == pytest.approx(2.0 / 3)
-    for _ in range(4):
-        policy.observe(6.0, 3)                                 # 2 s a token against 1 s: fall back
-    assert policy.verdict().startswith("speculation cost 2000.00 ms a token at tau 3.00")
+    for _ in range(6):
+        policy.observe(6.0, 2)                                 # 3 s a token against 1 s: fall back
+    assert policy.verdict().startswith("speculation cost 3000.00 ms a token at tau 2.00")
 
 
 def modes(model, drafter, ids, calls: int, **kwargs) -> list[str]:
@@ -204,13 +206,13 @@ def simulated_call(memory: FallbackMemory, ar_seconds: float, steps: list[tuple[
 
 def test_policy_backs_off_up_to_its_cap_and_resets_when_speculation_pays():
     memory = FallbackMemory()
-    losing, paying = [(3.0, 2)] * 10, [(1.0, 4)] * 10           # 1.5 s and 0.25 s a token against a 1 s step
+    losing, paying = [(3.0, 1)] * 10, [(1.0, 4)] * 10           # 3 s and 0.25 s a token against a 1 s step
     seen = [simulated_call(memory, 1.0, losing) for _ in range(1 + 2 + 3 + 5 + 9 + 17 + 17)]
     probe = ["fell back after 4"]
     assert seen == ["fell back after 4", "ar", *probe, *["ar"] * 2, *probe, *["ar"] * 4, *probe, *["ar"] * 8,
                     *probe, *["ar"] * 16, *probe, *["ar"] * MAX_BACKOFF, *probe]
     # the back-off skips calls only while the remembered steps lose against the current autoregressive step
-    assert memory.skip == MAX_BACKOFF and simulated_call(memory, 2.0, []) == "speculated"
+    assert memory.skip == MAX_BACKOFF and simulated_call(memory, 4.0, []) == "speculated"
     assert memory.skip == MAX_BACKOFF and simulated_call(memory, 1.0, []) == "ar"
     # a re-probe whose own steps pay keeps speculating though the history loses, and resets the back-off
     memory.skip = 0
@@ -222,18 +224,20 @@ def test_policy_backs_off_up_to_its_cap_and_resets_when_speculation_pays():
 
 def test_policy_judges_a_call_by_warmup_steps_of_its_own_with_the_remembered_ones():
     """A losing history and an unlucky first step do not end a call: one step keeps 1 to 8 tokens at tau 2-4."""
-    memory = FallbackMemory(steps=[(3.0, 2)] * 8)
+    memory = FallbackMemory(steps=[(3.0, 1)] * 8)
     policy = FallbackPolicy(1.0, memory)
     assert policy.verdict() is None                         # no step of its own yet
     for _ in range(policy.warmup - 1):
-        policy.observe(3.0, 2)
+        policy.observe(3.0, 1)
         assert policy.verdict() is None                     # too few of its own
-    policy.observe(3.0, 2)
-    assert policy.verdict().startswith("speculation cost 1500.00 ms a token at tau 2.00")
+    policy.observe(3.0, 1)
+    assert policy.verdict().startswith("speculation cost 3000.00 ms a token at tau 1.00")
     # a call that pays after an unlucky first step keeps speculating, the losing history notwithstanding
     unlucky_then_paying = [(3.0, 1)] + [(1.0, 4)] * 9
-    assert simulated_call(FallbackMemory(steps=[(3.0, 2)] * 8), 1.0, unlucky_then_paying) == "speculated"
-    assert len(memory.steps) == policy.window               # the memory keeps the judged window only
+    assert simulated_call(FallbackMemory(steps=[(3.0, 1)] * 8), 1.0, unlucky_then_paying) == "speculated"
+    for _ in range(HISTORY):
+        policy.observe(1.0, 4)
+    assert len(memory.steps) == HISTORY                     # the memory keeps the back-off's evidence only
 
 
 def test_a_call_that_pays_overall_outlasts_a_losing_window():
@@ -241,8 +245,45 @@ def test_a_call_that_pays_overall_outlasts_a_losing_window():
     later: a call falls back only when all its own steps together lose too."""
     paying, unlucky = [(1.0, 3)] * 20, [(1.2, 1)] * 8                # 0.33 s, then 1.2 s a token against 1 s
     assert simulated_call(FallbackMemory(), 1.0, paying + unlucky) == "speculated"
-    assert simulated_call(FallbackMemory(), 1.0, paying[:2] + [(3.0, 1)] * 8) == "fell back after 5"
+    assert simulated_call(FallbackMemory(), 1.0, paying[:2] + [(3.0, 1)] * 8) == "fell back after 7"
 
+
+
+def chain_steps(generator: torch.Generator, accept: float, seconds: float, n: int) -> list[tuple[float, int]]:
+    """``n`` steps of ``seconds`` whose drafts are each accepted with probability ``accept`` until the first
+    rejection (at most 7 drafts): 1 to 8 tokens a step, tau ~ 1 / (1 - accept)."""
+    draws = torch.rand(n, 7, generator=generator) < accept
+    return [(seconds, 1 + int(row.cumprod(0).sum())) for row in draws]
+
+
+def test_a_call_is_ended_only_when_speculation_loses_beyond_its_spread():
+    """At tau ~2.6 where a step must keep 2.07 tokens to pay (~1.26x autoregressive decoding, sampling at T 1.0 on an
+    H100), few calls are ended by unlucky steps; at 0.75x nearly every call falls back, and at 0.5x (a step costing 5
+    autoregressive steps, this CPU's kind of loss) every call, early."""
+    generator = torch.Generator().manual_seed(0)
+
+    def calls(accept: float, seconds: float) -> tuple[int, list[int]]:
+        modes = [simulated_call(FallbackMemory(), 1.0, chain_steps(generator, accept, seconds, 48)) for _ in range(200)]
+        ends = [int(mode.rsplit(" ", 1)[1]) for mode in modes if mode.startswith("fell back")]
+        return len(ends), ends
+    assert calls(0.63, 2.07)[0] <= 10
+    fell, ends = calls(0.35, 2.07)
+    assert fell >= 180 and statistics.median(ends) <= 16
+    fell, ends = calls(0.63, 5.0)
+    assert fell == 200 and statistics.median(ends) <= 10
+
+
+def test_a_losing_prompt_does_not_hold_back_the_next_while_speculation_pays_over_calls():
+    """Prompts differ in acceptance: after a call that fell back, the next starts speculating while the remembered
+    steps of earlier calls pay overall, and autoregressively once they lose clearly."""
+    memory = FallbackMemory()
+    assert simulated_call(memory, 1.0, [(2.0, 4)] * 30) == "speculated"        # 0.5 s a token against 1 s
+    # its recent window holds the call before's last paying steps: one step more
+    assert simulated_call(memory, 1.0, [(3.0, 1)] * 10) == "fell back after 5"
+    assert memory.skip == 1 and simulated_call(memory, 1.0, [(2.0, 4)] * 30) == "speculated"
+    for _ in range(20):
+        simulated_call(memory, 1.0, [(3.0, 1)] * 30)
+    assert simulated_call(memory, 1.0, [(2.0, 4)] * 30) == "ar"
 
 def test_memory_key_tells_drafters_shapes_and_sampling_apart(bad_drafter):
     model = tiny_gdn(seed=78)
