@@ -8,8 +8,9 @@ calls, so its top-k changes and its confidences stay those of a real softmax. Sa
 lowers tau without noise. Every speculative point is measured with the fallback to autoregressive decoding off (what
 speculation itself costs) and, for the default tree, on (what a user gets by default). ``tree`` chooses each
 proposal's shape (``loop.shapes``), ``tree_fixed`` drafts the configured 8 / 4 / 63 every step; every point is run
-once untimed over all its prompts first, so that the shapes its acceptance leads the policy to have their graphs
-captured (a capture costs up to ~0.1 s; each record counts the captures its timed calls still made).
+untimed over all its prompts first, until a pass captures no graph (at most 4 passes), so that the shapes its
+acceptance leads the policy to have their graphs captured (a capture costs up to ~0.1 s; each record counts the
+captures its timed calls still made).
 
     python benchmarks/acceptance_curve.py --eval-dir data/eval --out $OUT
 
@@ -51,6 +52,7 @@ SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0]),
         "humaneval": ("humaneval.jsonl", lambda r: r["prompt"]),
         "alpaca": ("alpaca_eval_80.jsonl", lambda r: r["instruction"])}
 START = time.perf_counter()
+WARM_PASSES = 4           # most untimed passes over a point's prompts before its timed one
 
 
 def log(*msg) -> None:
@@ -254,12 +256,16 @@ def measure(args) -> None:
                 f"{call['reason']}")
 
     def timed(target, ids_list, n, seed=None, **kwargs):
-        # untimed first: graphs of the shapes this acceptance leads the policy to, under sampling from the same seed
-        # (a sampled run that draws other tokens may reach tree sizes the timed one then captures and compiles for)
-        for _ in range(2):
+        # untimed first, until a pass captures no graph: graphs of the shapes this acceptance leads the policy to,
+        # under sampling from the same seed (the policy learns during a pass, so the next may choose tree sizes the
+        # last did not: one pass left a timed run at 0.5x, capturing and compiling for two)
+        for attempt in range(WARM_PASSES + 1):
             if seed is not None:
                 torch.manual_seed(seed)
             result = run(target, ids_list, n, **kwargs)
+            if attempt and not sum(s.graph_captures for s in previous):
+                return result
+            previous = result[1]
         return result
 
     for method in args.methods.split(","):
