@@ -29,8 +29,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import specla_hf
-from acceptance_curve import (add_fused_verify_option, copy_bytes_per_s, log, log_shape_costs, prompts, run,
-                              speculation_counts, weight_floor_ms)
+from acceptance_curve import (WARM_PASSES, add_fused_verify_option, copy_bytes_per_s, log, log_shape_costs, prompts,
+                              run, speculation_counts, weight_floor_ms)
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
 from specla_kernels import tuning
@@ -224,14 +224,21 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                         ms, stats = run(target, ids_list, n_new, do_sample=False, assistant_model=drafter, **kw)
                     else:
                         oracle.scale.fill_(noise)
-                        # untimed first: this acceptance grows trees (tree buckets, graphs) the warm-up did not reach
-                        oracle.expect(continuations[0])
-                        run(target, ids_list[:1], n_new, do_sample=False, assistant_model=drafter, **kw)
-                        ms, stats = 0.0, []
-                        for ids, sequence in zip(ids_list, continuations):
-                            oracle.expect(sequence)
-                            one, one_stats = run(target, [ids], n_new, do_sample=False, assistant_model=drafter, **kw)
-                            ms, stats = ms + one / len(ids_list), stats + one_stats
+
+                        def over_prompts():
+                            ms, stats = 0.0, []
+                            for ids, sequence in zip(ids_list, continuations):
+                                oracle.expect(sequence)
+                                one, one_stats = run(target, [ids], n_new, do_sample=False, assistant_model=drafter,
+                                                     **kw)
+                                ms, stats = ms + one / len(ids_list), stats + one_stats
+                            return ms, stats
+                        # untimed first, until a pass captures no graph: this acceptance grows trees the warm-up did
+                        # not reach, and the shape policy, learning during a pass, may choose others in the next
+                        for _ in range(WARM_PASSES):
+                            if not sum(s.graph_captures for s in over_prompts()[1]):
+                                break
+                        ms, stats = over_prompts()
                     records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
                                         ms_per_token=ms, mode=sorted({s.mode for s in stats}),
                                         **speculation_counts(stats)))
