@@ -98,6 +98,23 @@ def speculation_counts(stats: list) -> dict:
                        for s in stats])
 
 
+def log_calls(record: dict) -> None:
+    """Each call of a record: its tau, mode and the fallback's reason."""
+    for call in record["calls"]:
+        log(f"    tau {call['tau']:.2f} {call['mode']} after {call['speculative_steps']} speculative steps: "
+            f"{call['reason']}")
+
+
+def warmed(one_pass) -> tuple[float, list]:
+    """``one_pass() -> (ms, stats)`` run untimed until a pass captures no graph (at most ``WARM_PASSES``), then once
+    more, timed. The shape policy learns during a pass, so the next may choose tree sizes the last did not: one
+    untimed pass left a timed run at 0.5x, capturing and compiling for two."""
+    for _ in range(WARM_PASSES):
+        if not sum(s.graph_captures for s in one_pass()[1]):
+            break
+    return one_pass()
+
+
 def add_fused_verify_option(ap: argparse.ArgumentParser) -> None:
     """``--fused-verify N``: the run's ``KernelTuning.fused_verify_max_nodes``."""
     ap.add_argument("--fused-verify", type=int, default=tuning.active().fused_verify_max_nodes,
@@ -251,22 +268,17 @@ def measure(args) -> None:
         log(f"{r['method']:<34} noise {noise_scale:<4} T {temperature} tau {r['tau']:.2f} {ms:.3f} ms/token "
             f"{r['speedup_vs_graph_ar']:.2f}x graph AR ({r['mode']}, {r['draft_nodes']:.1f} nodes a step, "
             f"{r['graph_captures']} graph captures)")
-        for call in r["calls"] if fallback else ():
-            log(f"    tau {call['tau']:.2f} {call['mode']} after {call['speculative_steps']} speculative steps: "
-                f"{call['reason']}")
+        if fallback:
+            log_calls(r)
 
     def timed(target, ids_list, n, seed=None, **kwargs):
-        # untimed first, until a pass captures no graph: graphs of the shapes this acceptance leads the policy to,
-        # under sampling from the same seed (the policy learns during a pass, so the next may choose tree sizes the
-        # last did not: one pass left a timed run at 0.5x, capturing and compiling for two)
-        for attempt in range(WARM_PASSES + 1):
+        # every pass, untimed or timed, samples from the same seed: one that draws other tokens may reach tree sizes
+        # the others did not
+        def one_pass():
             if seed is not None:
                 torch.manual_seed(seed)
-            result = run(target, ids_list, n, **kwargs)
-            if attempt and not sum(s.graph_captures for s in previous):
-                return result
-            previous = result[1]
-        return result
+            return run(target, ids_list, n, **kwargs)
+        return warmed(one_pass)
 
     for method in args.methods.split(","):
         drafter, kw = METHODS[method]

@@ -29,8 +29,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import specla_hf
-from acceptance_curve import (WARM_PASSES, add_fused_verify_option, copy_bytes_per_s, log, log_shape_costs, prompts,
-                              run, speculation_counts, weight_floor_ms)
+from acceptance_curve import (add_fused_verify_option, copy_bytes_per_s, log, log_calls, log_shape_costs, prompts, run,
+                              speculation_counts, warmed, weight_floor_ms)
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
 from specla_kernels import tuning
@@ -233,12 +233,8 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                                                      **kw)
                                 ms, stats = ms + one / len(ids_list), stats + one_stats
                             return ms, stats
-                        # untimed first, until a pass captures no graph: this acceptance grows trees the warm-up did
-                        # not reach, and the shape policy, learning during a pass, may choose others in the next
-                        for _ in range(WARM_PASSES):
-                            if not sum(s.graph_captures for s in over_prompts()[1]):
-                                break
-                        ms, stats = over_prompts()
+                        # this acceptance grows trees (tree buckets, graphs) the warm-up did not reach
+                        ms, stats = warmed(over_prompts)
                     records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
                                         ms_per_token=ms, mode=sorted({s.mode for s in stats}),
                                         **speculation_counts(stats)))
@@ -247,9 +243,8 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                                      assistant_model=drafter, **kw)
                     log(f"{shape}: {name} {method} noise {noise}: tau {records[-1]['tau']:.2f}, {ms:.2f} ms/token, "
                         f"{records[-1]['draft_nodes']:.1f} nodes a step, {records[-1]['graph_captures']} captures")
-                    for call in records[-1]["calls"] if kw.get("autoregressive_fallback", True) else ():
-                        log(f"    tau {call['tau']:.2f} {call['mode']} after {call['speculative_steps']} speculative "
-                            f"steps: {call['reason']}")
+                    if kw.get("autoregressive_fallback", True):
+                        log_calls(records[-1])
         log_shape_costs(target)
         for r in records:
             r["speedup_vs_ar"], r["speedup_vs_stock"] = ar / r["ms_per_token"], stock / r["ms_per_token"]

@@ -248,7 +248,6 @@ def test_a_call_that_pays_overall_outlasts_a_losing_window():
     assert simulated_call(FallbackMemory(), 1.0, paying[:2] + [(3.0, 1)] * 8) == "fell back after 7"
 
 
-
 def chain_steps(generator: torch.Generator, accept: float, seconds: float, n: int) -> list[tuple[float, int]]:
     """``n`` steps of ``seconds`` whose drafts are each accepted with probability ``accept`` until the first
     rejection (at most 7 drafts): 1 to 8 tokens a step, tau ~ 1 / (1 - accept)."""
@@ -284,6 +283,7 @@ def test_a_losing_prompt_does_not_hold_back_the_next_while_speculation_pays_over
     for _ in range(20):
         simulated_call(memory, 1.0, [(3.0, 1)] * 30)
     assert simulated_call(memory, 1.0, [(2.0, 4)] * 30) == "ar"
+
 
 def test_memory_key_tells_drafters_shapes_and_sampling_apart(bad_drafter):
     model = tiny_gdn(seed=78)
