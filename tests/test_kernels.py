@@ -1043,6 +1043,68 @@ def test_expand_frontier_matches_reference(device):
                 assert torch.equal(got.cpu(), want.cpu()), (F, K)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_draw_children_matches_reference(device):
+    """Given the same uniforms, the drawn children (tokens exactly; log-probs, sibling ranks and the written log-prob
+    rows to rounding) equal the reference: with and without the top-k warper, temperatures below and above 1, rows of
+    one slice and of several, a strided row view, exact score ties at the top-k threshold, a row with -inf entries and
+    a top-k warper keeping fewer entries than the draws (the rest token 0 at -inf)."""
+    from specla_kernels.draw import draw_children
+    gen = seeded('draw')
+    block = 64 if device == "cpu" else 1024
+    for F, V, k, temperature, top_k in [(1, 37, 3, 0.7, 0), (4, 300, 4, 0.7, 50), (3, 2100, 4, 1.0, 5),
+                                        (2, 150, 2, 1.6, 0), (4, 64, 4, 1.3, 2), (2, 5000, 16, 0.9, 64)]:
+        if device == "cpu" and V > 2100:
+            continue
+        x = torch.log_softmax(torch.randn(F + 1, V, generator=gen) * 3, -1)
+        x[0, ::7] = x[0, 3]                                   # ties, some at the top-k threshold
+        x[-1, :5] = float("-inf")
+        rows, u = x[:F].to(device), torch.rand(F, V, generator=gen).to(device)
+        got_q, want_q = torch.full_like(rows, float("nan")), torch.empty_like(rows)
+        got = draw_children(rows, k, temperature, top_k, got_q, uniforms=u, block=block)
+        want = ref.draw_children_ref(rows, k, temperature, top_k, want_q, u)
+        case = (F, V, k, temperature, top_k)
+        assert torch.equal(got[2], want[2]), case
+        for g, w in [(got[0], want[0]), (got[1], want[1]), (got_q, want_q)]:
+            assert torch.equal(g.isinf(), w.isinf()) and not g.isnan().any(), case
+            assert torch.allclose(g.nan_to_num(0, 0, 0), w.nan_to_num(0, 0, 0), atol=1e-5, rtol=1e-5), case
+        strided = x.to(device)[:, ::2]
+        u = torch.rand(strided.shape, generator=gen).to(device)
+        got = draw_children(strided, k, temperature, top_k, torch.empty_like(strided), uniforms=u, block=block)
+        want = ref.draw_children_ref(strided, k, temperature, top_k, torch.empty_like(strided), u)
+        assert torch.equal(got[2], want[2]), (case, "strided")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draw_children_draws_from_the_warped_distribution(device):
+    """Through ``ops.draw_children`` (the kernel's own Philox uniforms on a seed drawn each call): the first child
+    follows the warped distribution and the second the distribution without the first (chi-square, p > 1e-4), and
+    the written log-prob row is the warped log-softmax."""
+    torch.manual_seed(7)
+    x = torch.log_softmax(torch.tensor([[0.0, 1.0, 2.0, 0.5, -1.0, 1.5, -0.5]]), -1).to(device)
+    temperature, top_k, n = 0.8, 5, 3000 if device == "cpu" else 20000
+    q = torch.log_softmax(torch.where(x / temperature >= (x / temperature).topk(top_k).values[:, -1:],
+                                      x / temperature, float("-inf")), -1)[0].exp().double().cpu()
+    first, pairs = torch.zeros(7, dtype=torch.float64), torch.zeros(7, 7, dtype=torch.float64)
+    rows = torch.empty_like(x)
+    for _ in range(n):
+        _, _, token = ops.draw_children(x, 2, temperature, top_k, rows)
+        a, b = token[0].tolist()
+        first[a] += 1
+        pairs[a, b] += 1
+    assert torch.allclose(rows[0].exp().double().cpu(), q, atol=1e-6)
+    from scipy.stats import chisquare
+    kept = q > 0
+    assert chisquare(first[kept], q[kept] / q[kept].sum() * first.sum()).pvalue > 1e-4
+    top = int(first.argmax())                              # the second draw, given the most frequent first one
+    rest = q.clone()
+    rest[top] = 0
+    rest = rest / rest.sum()
+    second = pairs[top]
+    assert second[top] == 0 and (first[~kept] == 0).all()
+    assert chisquare(second[rest > 0], rest[rest > 0] / rest.sum() * second.sum()).pvalue > 1e-4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a Hopper GPU")
 @pytest.mark.parametrize("N", [3, 37])

@@ -77,8 +77,8 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
 
 def call_every_wrapper():
     """Each SpecLA kernel wrapper once per distinct compile (1.3B layer shapes, bf16 model, fp32 state)."""
-    from specla_kernels import (accept, commit, draft_expand, fused_gemm, gate, gated_norm, gemv, topk, tree_conv,
-                                tree_delta)
+    from specla_kernels import (accept, commit, draft_expand, draw, fused_gemm, gate, gated_norm, gemv, topk,
+                                tree_conv, tree_delta)
     bf, f32 = torch.bfloat16, torch.float32
     H, K, V, D, W, N = 6, 256, 512, 2 * 6 * 256 + 6 * 512, 4, 64
     z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype)                  # noqa: E731
@@ -114,6 +114,9 @@ def call_every_wrapper():
     accept.accept_walk(tokens, parents[0], tree_delta.tree_ancestors(parents)[0], cap, hit=z(N, dtype=torch.bool))
     accept.drawn_hits(tokens, parents[0], z(N, 8192, dtype=f32), z(N, 8192, dtype=f32), z(N, dtype=f32), 4)
     topk.row_topk(z(4, 16384), 4)
+    seed = torch.zeros(1, dtype=torch.long)
+    draw.draw_children(z(4, 8192, dtype=f32), 4, 0.7, 50, z(4, 8192, dtype=f32), seed=seed)   # a top-k warper
+    draw.draw_children(z(4, 248320, dtype=f32), 4, 1.0, 0, z(4, 248320, dtype=f32), seed=seed)
     draft_expand.expand_frontier(z(4, 4, dtype=f32), z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long),
                                  z(4, dtype=f32),
                                  torch.zeros(4, dtype=torch.long), z(3, 64, dtype=torch.float64),
@@ -154,7 +157,9 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
     assert {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "ancestors_kernel", "gate_beta_kernel",
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
             "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel",
-            "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_rank_kernel"} <= names, names
+            "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_rank_kernel",
+            "draw_threshold_slices_kernel", "draw_threshold_merge_kernel", "draw_slices_kernel", "draw_merge_kernel",
+            "draw_logq_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",

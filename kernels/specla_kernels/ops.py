@@ -13,6 +13,7 @@ from specla_kernels import reference
 from specla_kernels import accept as _accept
 from specla_kernels import commit as _commit
 from specla_kernels import draft_expand as _draft_expand
+from specla_kernels import draw as _draw
 from specla_kernels import fused_gemm as _fused_gemm
 from specla_kernels import gate as _gate
 from specla_kernels import gated_norm as _gated_norm
@@ -160,6 +161,18 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and k <= min(16, x.shape[-1]):
         return _topk.row_topk(x, k)
     return reference.row_topk_ref(x, k)
+
+
+def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int,
+                  logq_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k`` children of each row of draft scores ``x [F, V]`` drawn without replacement under the temperature and
+    top-k warpers, the warped log-probs written into ``logq_out`` (see ``draw_children_ref``). Fresh randomness each
+    call from torch's generator, also inside a CUDA graph: the Triton path reads a seed drawn on the device (Philox in
+    the kernel), the reference path uniforms."""
+    if use_triton(x) and k <= _draw.MAX_DRAWS and top_k <= _draw.MAX_TOP_K:
+        seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
+        return _draw.draw_children(x, k, temperature, top_k, logq_out, seed=seed)
+    return reference.draw_children_ref(x, k, temperature, top_k, logq_out, torch.empty_like(x).uniform_())
 
 
 def expand_frontier(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,

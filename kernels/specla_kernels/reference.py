@@ -289,6 +289,30 @@ def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[:, :k], indices[:, :k]
 
 
+def draw_children_ref(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k`` children of each row of scores ``x [F, V]`` (fp32) drawn without replacement under the temperature and
+    top-k warpers (transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``; ``top_k`` 0: none), by Gumbel
+    keys from ``uniforms [F, V]`` in [0, 1). Writes the warped log-probs ``q`` into ``logq_out [F, V]`` (``-inf``
+    where the top-k warper removed an entry) and returns, in draw order, the draws' log-probs, their sibling ranks (the
+    log of the mass each draw was made from, floored at its own log-prob, falling; fp64 arithmetic) and tokens, all
+    ``[F, k]``. Where fewer than ``k`` entries can be drawn the rest are token 0 at log-prob and rank ``-inf``."""
+    s = x.float() / temperature
+    if top_k:
+        s = s.masked_fill(s < torch.topk(s, top_k, -1).values[:, -1:], float("-inf"))
+    logq = s - torch.logsumexp(s, -1, keepdim=True)
+    logq_out.copy_(logq)
+    exp1 = (-torch.log(1 - uniforms.float())).clamp(min=torch.finfo(torch.float32).tiny)
+    key, token = row_topk_ref(s - torch.log(exp1), k)
+    drawn = key != float("-inf")
+    token = token.masked_fill(~drawn, 0)
+    top_logq = logq.gather(1, token).masked_fill(~drawn, float("-inf"))
+    q = top_logq.double().exp()
+    left = (1 - (q.cumsum(1) - q)).clamp(min=0).log()
+    rank = torch.maximum(left, top_logq.double()).cummin(1).values.float().masked_fill(~drawn, float("-inf"))
+    return top_logq, rank, token
+
+
 def expand_frontier_ref(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,
                         frontier_score: torch.Tensor, frontier_cand: torch.Tensor, cand: torch.Tensor,
                         tokens: torch.Tensor, parents: torch.Tensor, next_score: torch.Tensor, next_cand: torch.Tensor,

@@ -1,0 +1,181 @@
+"""Triton kernels: a drafter's children drawn under sampling, every frontier row at once (``draw_children_ref``).
+
+Under sampling each expanded node's ``K`` children are draws without replacement from the drafter's distribution after
+the target's warpers (temperature, top-k): the ``K`` largest Gumbel keys. In torch that is ~20 tiny kernels a depth
+(the warpers, ``torch.topk``'s multi-pass radix select for the top-k warper's threshold, log-softmax, the noise, the
+draws' log-probs, the sibling ranks), each costing more in launch and dependency gaps than in work. Here it is three
+launches, or five with a top-k warper:
+
+1. (top-k warper) one program per slice of a row keeps the slice's ``top_k`` largest scaled scores; one program per
+   row takes the ``top_k``-th largest of the slices' (the warper's threshold: entries below it are removed).
+2. One program per slice: its kept entries' max and sum of exponentials (the log-softmax's normaliser, in parts),
+   their Gumbel keys (uniforms from Philox on a seed read from device memory, so a CUDA graph replays fresh draws) and
+   the slice's ``K`` largest keys.
+3. One program per row: the normaliser, the ``K`` largest keys of the slices' (the draws, in draw order), their
+   log-probs and sibling ranks (fp64, as ``sibling_ranks``).
+4. One program per slice writes the row's log-probs (``-inf`` where removed): the acceptance's ``q``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specla_kernels.topk import NO_INDEX, top_k_slots
+
+MAX_DRAWS = 16
+MAX_TOP_K = 64        # the top-k warper's k kept in registers per slice; larger ones take the torch path
+
+
+@triton.jit
+def _scaled(x, stride_x, row, cols, V, temperature):
+    """The row's scores at ``cols`` after the temperature warper (fp32 ``scores / temperature``), ``-inf`` past V."""
+    m = cols < V
+    return tl.load(x + row.to(tl.int64) * stride_x + cols, mask=m, other=float("-inf")).to(tl.float32) / temperature
+
+
+@triton.jit
+def draw_threshold_slices_kernel(x, stride_x, cand, V, NB, temperature, TOP_K: tl.constexpr, TKP: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    i_s, row = tl.program_id(0), tl.program_id(1)
+    cols = i_s * BLOCK + tl.arange(0, BLOCK)
+    s = _scaled(x, stride_x, row, cols, V, temperature)
+    vals, _ = top_k_slots(s, cols.to(tl.int64), cols < V, TOP_K, TKP)
+    tl.store(cand + (row.to(tl.int64) * NB + i_s) * TKP + tl.arange(0, TKP), vals)
+
+
+@triton.jit
+def draw_threshold_merge_kernel(cand, threshold, C, TOP_K: tl.constexpr, TKP: tl.constexpr, BC: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.arange(0, BC)
+    m = j < C
+    vals = tl.load(cand + row.to(tl.int64) * C + j, mask=m, other=float("-inf"))
+    kth, _ = top_k_slots(vals, j.to(tl.int64), m, TOP_K, TKP)
+    # the TOP_K-th largest, duplicates counted (the padding slots past TOP_K hold -inf)
+    tl.store(threshold + row, tl.min(tl.where(tl.arange(0, TKP) < TOP_K, kth, float("inf")), 0))
+
+
+@triton.jit
+def draw_slices_kernel(x, stride_x, threshold, uniforms, seed, part_max, part_sum, key_v, key_i, V, NB, temperature,
+                       K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+                       GIVEN_UNIFORMS: tl.constexpr):
+    i_s, row = tl.program_id(0), tl.program_id(1)
+    cols = i_s * BLOCK + tl.arange(0, BLOCK)
+    s = _scaled(x, stride_x, row, cols, V, temperature)
+    kept = cols < V
+    if HAS_THRESHOLD:
+        kept = kept & (s >= tl.load(threshold + row))
+    s = tl.where(kept, s, float("-inf"))
+    top = tl.max(s, 0)
+    safe = tl.where(top == float("-inf"), 0., top)           # a slice with nothing kept adds 0 to the sum
+    tl.store(part_max + row * NB + i_s, top)
+    tl.store(part_sum + row * NB + i_s, tl.sum(tl.exp(s - safe), 0))
+    at = row.to(tl.int64) * V + cols
+    if GIVEN_UNIFORMS:
+        u = tl.load(uniforms + at, mask=cols < V, other=0.)
+    else:
+        u = tl.rand(tl.load(seed), at.to(tl.int32))
+    # Gumbel-max keys: -log(Exp(1)); the Exp(1) draw kept above 0 as the torch path clamps it
+    e = tl.maximum(-tl.log(1. - u), 1.1754943508222875e-38)
+    key = s - tl.log(e)                                       # -inf exactly where nothing can be drawn
+    kv, ki = top_k_slots(key, cols.to(tl.int64), key != float("-inf"), K, KP)
+    slot = (row.to(tl.int64) * NB + i_s) * KP + tl.arange(0, KP)
+    tl.store(key_v + slot, kv)
+    tl.store(key_i + slot, ki)
+
+
+@triton.jit
+def draw_merge_kernel(x, stride_x, part_max, part_sum, key_v, key_i, lse, top_logq, rank, token, NB, temperature,
+                      K: tl.constexpr, KP: tl.constexpr, BNB: tl.constexpr, BC: tl.constexpr):
+    row = tl.program_id(0)
+    b = tl.arange(0, BNB)
+    mb = b < NB
+    pm = tl.load(part_max + row * NB + b, mask=mb, other=float("-inf"))
+    ps = tl.load(part_sum + row * NB + b, mask=mb, other=0.)
+    top = tl.max(pm, 0)
+    norm = top + tl.log(tl.sum(ps * tl.exp(pm - top), 0))
+    tl.store(lse + row, norm)
+    j = tl.arange(0, BC)
+    mj = j < NB * KP
+    kv = tl.load(key_v + row.to(tl.int64) * NB * KP + j, mask=mj, other=float("-inf"))
+    ki = tl.load(key_i + row.to(tl.int64) * NB * KP + j, mask=mj, other=NO_INDEX)
+    _, pick = top_k_slots(kv, ki, mj & (ki != NO_INDEX), K, KP)     # ties: the lower column
+    slot = tl.arange(0, KP)
+    m_k = slot < K
+    drawn = m_k & (pick != NO_INDEX)                 # fewer than K entries can be drawn: token 0 at log-prob -inf
+    cols = tl.where(drawn, pick, 0)
+    logq = tl.load(x + row.to(tl.int64) * stride_x + cols, mask=drawn, other=0.).to(tl.float32) / temperature - norm
+    logq = tl.where(drawn, logq, float("-inf"))
+    # sibling ranks: the log of the mass each draw was made from, floored at the draw's own log-prob, falling
+    q = tl.where(m_k, tl.exp(logq.to(tl.float64)), 0.)
+    before = tl.cumsum(q, 0) - q
+    left = tl.log(tl.maximum(1. - before, 0.))
+    r = tl.maximum(left, logq.to(tl.float64))
+    run = tl.full([KP], float("inf"), tl.float64)
+    for i in tl.static_range(K):                             # running minimum along the draws
+        ri = tl.sum(tl.where(slot == i, r, 0.), 0)
+        run = tl.where(slot >= i, tl.minimum(run, ri), run)
+    run = tl.where(drawn, run, float("-inf"))
+    at = row * K + slot
+    tl.store(top_logq + at, logq, mask=m_k)
+    tl.store(rank + at, run.to(tl.float32), mask=m_k)
+    tl.store(token + at, cols, mask=m_k)
+
+
+@triton.jit
+def draw_logq_kernel(x, stride_x, threshold, lse, logq, stride_q, V, temperature, BLOCK: tl.constexpr,
+                     HAS_THRESHOLD: tl.constexpr):
+    i_s, row = tl.program_id(0), tl.program_id(1)
+    cols = i_s * BLOCK + tl.arange(0, BLOCK)
+    s = _scaled(x, stride_x, row, cols, V, temperature)
+    out = s - tl.load(lse + row)
+    if HAS_THRESHOLD:
+        out = tl.where(s >= tl.load(threshold + row), out, float("-inf"))
+    tl.store(logq + row.to(tl.int64) * stride_q + cols, out, mask=cols < V)
+
+
+def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
+                  seed: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+                  block: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of ``draw_children_ref``: the uniforms come from Philox on ``seed`` (an int64 device tensor of
+    one element, drawn fresh each call) unless ``uniforms [F, V]`` are given (tests)."""
+    F, V = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    KP = triton.next_power_of_2(k)
+    BLOCK = min(block, max(16, triton.next_power_of_2(V)))
+    NB = triton.cdiv(V, BLOCK)
+    dev, f32 = x.device, torch.float32
+    warps = 4 if BLOCK >= 512 else 1
+    threshold = None
+    if top_k:
+        TKP = triton.next_power_of_2(top_k)
+        # slices wide enough that the merge holds at most 4096 candidates a row
+        BT = max(BLOCK, triton.next_power_of_2(triton.cdiv(V * TKP, 4096)))
+        NBT = triton.cdiv(V, BT)
+        cand = torch.empty(F, NBT, TKP, dtype=f32, device=dev)
+        draw_threshold_slices_kernel[(NBT, F)](x, x.stride(0), cand, V, NBT, temperature, TOP_K=top_k, TKP=TKP,
+                                               BLOCK=BT, num_warps=warps if BT <= 1024 else 8)
+        threshold = torch.empty(F, dtype=f32, device=dev)
+        C = NBT * TKP
+        draw_threshold_merge_kernel[(F,)](cand, threshold, C, TOP_K=top_k, TKP=TKP,
+                                          BC=max(16, triton.next_power_of_2(C)), num_warps=1 if C <= 256 else 4)
+    part_max = torch.empty(F, NB, dtype=f32, device=dev)
+    part_sum = torch.empty(F, NB, dtype=f32, device=dev)
+    key_v = torch.empty(F, NB, KP, dtype=f32, device=dev)
+    key_i = torch.empty(F, NB, KP, dtype=torch.int64, device=dev)
+    given = uniforms is not None
+    draw_slices_kernel[(NB, F)](x, x.stride(0), threshold if top_k else x, uniforms.contiguous() if given else x,
+                                seed if seed is not None else key_i, part_max, part_sum, key_v, key_i, V, NB,
+                                temperature, K=k, KP=KP, BLOCK=BLOCK, HAS_THRESHOLD=bool(top_k),
+                                GIVEN_UNIFORMS=given, num_warps=warps)
+    lse = torch.empty(F, dtype=f32, device=dev)
+    top_logq = torch.empty(F, k, dtype=f32, device=dev)
+    rank = torch.empty(F, k, dtype=f32, device=dev)
+    token = torch.empty(F, k, dtype=torch.int64, device=dev)
+    C = NB * KP
+    draw_merge_kernel[(F,)](x, x.stride(0), part_max, part_sum, key_v, key_i, lse, top_logq, rank, token, NB,
+                            temperature, K=k, KP=KP, BNB=max(16, triton.next_power_of_2(NB)),
+                            BC=max(16, triton.next_power_of_2(C)), num_warps=1 if C <= 256 else 4)
+    draw_logq_kernel[(NB, F)](x, x.stride(0), threshold if top_k else lse, lse, logq_out, logq_out.stride(0), V,
+                              temperature, BLOCK=BLOCK, HAS_THRESHOLD=bool(top_k), num_warps=warps)
+    return top_logq, rank, token
