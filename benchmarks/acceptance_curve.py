@@ -115,11 +115,18 @@ def warmed(one_pass) -> tuple[float, list]:
     return one_pass()
 
 
-def add_fused_verify_option(ap: argparse.ArgumentParser) -> None:
-    """``--fused-verify N``: the run's ``KernelTuning.fused_verify_max_nodes``."""
+def add_tuning_options(ap: argparse.ArgumentParser) -> None:
+    """The run's ``KernelTuning`` choices that benchmarks compare (``tuning_changes``)."""
     ap.add_argument("--fused-verify", type=int, default=tuning.active().fused_verify_max_nodes,
                     help="verified trees of up to this many nodes through fused_gemm (tuning's "
                          "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
+    ap.add_argument("--no-draw-kernel", action="store_true",
+                    help="sampled drafts drawn by the processors in torch instead of ops.draw_children")
+
+
+def tuning_changes(args) -> dict:
+    """``tuning.using`` keywords of ``add_tuning_options``' arguments."""
+    return dict(fused_verify_max_nodes=args.fused_verify, draw_kernel=not args.no_draw_kernel)
 
 
 def prompts(eval_dir: Path, per_set: int) -> list[str]:
@@ -189,7 +196,7 @@ def main():
     ap.add_argument("--eval-dir", type=Path, required=True)
     ap.add_argument("--per-set", type=int, default=4, help="prompts per set (MT-Bench, HumanEval, Alpaca)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--noise", default="0,1,2,3,4,6,9", help="noise scales on the drafter's logits")
+    ap.add_argument("--noise", default="0,1,2,3,4,6,9", help="noise scales on the drafter's logits (\"\": none)")
     ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--stock-prompts", type=int, default=2, help="prompts timed with stock generate (it is slow)")
@@ -198,14 +205,14 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot-only", type=Path, help="redraw the PNG from an acceptance_curve.json, run nothing")
-    add_fused_verify_option(ap)
+    add_tuning_options(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
         saved = json.loads(args.plot_only.read_text())
         plot(saved["records"], args.out / "acceptance_curve.png", saved["meta"])
         return
-    with tuning.using(fused_verify_max_nodes=args.fused_verify):
+    with tuning.using(**tuning_changes(args)):
         measure(args)
 
 
@@ -231,7 +238,7 @@ def measure(args) -> None:
     shape = "gdn-1.3b" if args.shape == "1.3b" else "gdn-12.6m"
     meta = {"model_shape": shape, "params": sum(p.numel() for p in target.parameters()),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": dtype,
-            "prompts": len(ids_list), "max_new_tokens": n, "fused_verify_max_nodes": args.fused_verify,
+            "prompts": len(ids_list), "max_new_tokens": n, **tuning_changes(args),
             "weights": ("trained 12.6M GDN inflated function-preservingly to fla's 1.3B shape" if args.shape == "1.3b"
                         else "the trained 12.6M GDN")}
     log(meta)
@@ -284,7 +291,7 @@ def measure(args) -> None:
         drafter, kw = METHODS[method]
         if kw.get("sampled_drafts") is False:        # a sampling rule: under greedy decoding it is another method's
             continue
-        for scale in map(float, args.noise.split(",")):
+        for scale in [float(x) for x in args.noise.split(",") if x]:       # "": sampling only
             noise.set(scale)
             ms, stats = timed(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],
                               autoregressive_fallback=False, **kw)

@@ -29,8 +29,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import specla_hf
-from acceptance_curve import (add_fused_verify_option, copy_bytes_per_s, log, log_calls, log_shape_costs, prompts, run,
-                              speculation_counts, warmed, weight_floor_ms)
+from acceptance_curve import (add_tuning_options, copy_bytes_per_s, log, log_calls, log_shape_costs, prompts, run,
+                              speculation_counts, tuning_changes, warmed, weight_floor_ms)
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
 from specla_kernels import tuning
@@ -304,11 +304,11 @@ def main() -> None:
                          "cudnn_attention, efficient_attention, math); empty: SDPA, torch's choice")
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="the MTP head's draft vocabulary at the random shapes (0: the whole vocabulary)")
-    add_fused_verify_option(ap)
+    add_tuning_options(ap)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     backends = tuple(b for b in args.tree_attention.split(",") if b)
-    with tuning.using(tree_attention_backends=backends, fused_verify_max_nodes=args.fused_verify):
+    with tuning.using(tree_attention_backends=backends, **tuning_changes(args)):
         bench(args, backends)
 
 
@@ -321,7 +321,7 @@ def bench(args, backends: tuple[str, ...]) -> None:
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": str(dtype),
             "prompts": len(ids_list), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
             "tree_attention_backends": list(backends) or "torch's choice", "draft_vocab": args.draft_vocab or None,
-            "fused_verify_max_nodes": args.fused_verify,
+            **tuning_changes(args),
             "copy_bytes_per_s": copy_bytes_per_s(str(torch.device(args.device)))}
     records = []
     for shape in args.shapes.split(","):

@@ -40,13 +40,13 @@ from typing import NamedTuple
 
 import torch
 
-from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.loop.acceptance import processor_key
 from specla_hf.models.graphed import tree_bucket
 from specla_hf.runtime.transfer import HostCopy, copy_in
-from specla_kernels import ops
+from specla_kernels import ops, tuning
 
 
 @dataclass
@@ -176,6 +176,20 @@ def sibling_ranks(top_logq: torch.Tensor) -> torch.Tensor:
     return torch.maximum(left, top_logq.double()).cummin(1).values.to(top_logq.dtype)
 
 
+def kernel_warpers(processors: LogitsProcessorList, draws: int) -> tuple[float, int] | None:
+    """``(temperature, top_k)`` (top_k 0: none) when ``processors`` are transformers' temperature and top-k warpers
+    alone, at most one of each, and ``ops.draw_children`` draws ``draws`` children under them; else ``None``."""
+    temperature, top_k = 1.0, 0
+    for p in processors:
+        if type(p) is TemperatureLogitsWarper and temperature == 1.0:
+            temperature = float(p.temperature)
+        elif type(p) is TopKLogitsWarper and not top_k and p.filter_value == float("-inf"):
+            top_k = p.top_k
+        else:
+            return None
+    return (temperature, top_k) if top_k == 0 or top_k >= draws else None
+
+
 def candidate_count(topk: int, depths: int) -> int:
     """Candidates of depths ``1..depths``: the root's ``topk`` children, then ``topk`` x ``topk`` a depth (``topk``
     nodes expanded); no tree of that depth holds more nodes."""
@@ -258,6 +272,7 @@ class DynamicTreeDrafter:
     # (``sample_drafts``; None: top-k children)
     samples_drafts: bool = True
     draft_sampling: LogitsProcessorList | None = None
+    _warpers: tuple[float, int] | None = None           # ``kernel_warpers`` of ``draft_sampling``
     _sampling_key: tuple | None = None
 
     def __init__(self, options: DraftOptions):
@@ -316,7 +331,11 @@ class DynamicTreeDrafter:
         highest draft log-prob are accepted with the target's probability of each. ``None`` (greedy decoding, or a
         drafter that cannot, ``samples_drafts``): the ``topk`` children of highest draft log-prob."""
         self.draft_sampling = processors if self.samples_drafts else None
-        self._sampling_key = None if self.draft_sampling is None else processor_key(self.draft_sampling)
+        # temperature and top-k alone: drawn by ``ops.draw_children`` (a few launches a depth instead of ~20)
+        self._warpers = (None if self.draft_sampling is None or not tuning.active().draw_kernel
+                         else kernel_warpers(self.draft_sampling, self.options.topk))
+        self._sampling_key = (None if self.draft_sampling is None
+                              else (processor_key(self.draft_sampling), self._warpers is not None))
 
     # ---- the expansion ----
     @property
@@ -362,9 +381,12 @@ class DynamicTreeDrafter:
         if self.draft_sampling is None:
             top_logp, top_token = ops.row_topk(logp, k)
             return top_logp, top_logp, top_token
+        rows = self.buffers.node_logq_rows(logp.shape[-1])[first:first + logp.shape[0]]
+        if self._warpers is not None:
+            return ops.draw_children(logp, k, *self._warpers, rows)
         no_context = torch.empty(logp.shape[0], 0, dtype=torch.long, device=logp.device)
         logq = torch.log_softmax(self.draft_sampling(no_context, logp.float()), -1)
-        self.buffers.node_logq_rows(logq.shape[-1])[first:first + logq.shape[0]] = logq
+        rows.copy_(logq)
         # Gumbel-max keys: their top k are k draws without replacement, in draw order
         noise = torch.empty_like(logq).exponential_().clamp_(min=torch.finfo(logq.dtype).tiny).log_()
         top_token = ops.row_topk(logq - noise, k)[1]
