@@ -4,10 +4,10 @@ Under sampling each expanded node's ``K`` children are draws without replacement
 the target's warpers (temperature, top-k): the ``K`` largest Gumbel keys. In torch that is ~20 tiny kernels a depth
 (the warpers, ``torch.topk``'s multi-pass radix select for the top-k warper's threshold, log-softmax, the noise, the
 draws' log-probs, the sibling ranks), each costing more in launch and dependency gaps than in work. Here it is three
-launches, or five with a top-k warper:
+launches, or four with a top-k warper:
 
-1. (top-k warper) one program per slice of a row keeps the slice's ``top_k`` largest scaled scores; one program per
-   row takes the ``top_k``-th largest of the slices' (the warper's threshold: entries below it are removed).
+1. (top-k warper) one program per row finds the ``top_k``-th largest scaled score (the warper's threshold: entries
+   below it are removed) by bisection over the scores' 32-bit order.
 2. One program per slice: its kept entries' max and sum of exponentials (the log-softmax's normaliser, in parts),
    their Gumbel keys (uniforms from Philox on a seed read from device memory, so a CUDA graph replays fresh draws) and
    the slice's ``K`` largest keys.
@@ -24,7 +24,7 @@ import triton.language as tl
 from specla_kernels.topk import NO_INDEX, top_k_slots
 
 MAX_DRAWS = 16
-MAX_TOP_K = 64        # the top-k warper's k kept in registers per slice; larger ones take the torch path
+MAX_THRESHOLD_VOCAB = 65536   # the top-k warper's threshold takes 32 passes over a row: larger ones take torch
 
 
 @triton.jit
@@ -35,24 +35,31 @@ def _scaled(x, stride_x, row, cols, V, temperature):
 
 
 @triton.jit
-def draw_threshold_slices_kernel(x, stride_x, cand, V, NB, temperature, TOP_K: tl.constexpr, TKP: tl.constexpr,
-                                 BLOCK: tl.constexpr):
-    i_s, row = tl.program_id(0), tl.program_id(1)
-    cols = i_s * BLOCK + tl.arange(0, BLOCK)
-    s = _scaled(x, stride_x, row, cols, V, temperature)
-    vals, _ = top_k_slots(s, cols.to(tl.int64), cols < V, TOP_K, TKP)
-    tl.store(cand + (row.to(tl.int64) * NB + i_s) * TKP + tl.arange(0, TKP), vals)
+def _ordered(s):
+    """int32 keys of fp32 values in their order (negative values' magnitude bits flipped)."""
+    bits = s.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
-def draw_threshold_merge_kernel(cand, threshold, C, TOP_K: tl.constexpr, TKP: tl.constexpr, BC: tl.constexpr):
+def draw_threshold_kernel(x, stride_x, threshold, V, temperature, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # the TOP_K-th largest scaled score of a row, duplicates counted: the largest key t with at least TOP_K keys
+    # >= t, by bisection over the 2^32 keys (32 counting passes over the row, which stays in L1 for the vocabularies
+    # this takes)
     row = tl.program_id(0)
-    j = tl.arange(0, BC)
-    m = j < C
-    vals = tl.load(cand + row.to(tl.int64) * C + j, mask=m, other=float("-inf"))
-    kth, _ = top_k_slots(vals, j.to(tl.int64), m, TOP_K, TKP)
-    # the TOP_K-th largest, duplicates counted (the padding slots past TOP_K hold -inf)
-    tl.store(threshold + row, tl.min(tl.where(tl.arange(0, TKP) < TOP_K, kth, float("inf")), 0))
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        count = tl.zeros([], tl.int32)
+        for c0 in range(0, V, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            key = _ordered(_scaled(x, stride_x, row, cols, V, temperature))
+            count += tl.sum(((key.to(tl.int64) >= mid) & (cols < V)).to(tl.int32), 0)
+        lo = tl.where(count >= TOP_K, mid, lo)
+        hi = tl.where(count >= TOP_K, hi, mid - 1)
+    bits = lo.to(tl.int32)
+    tl.store(threshold + row, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -148,17 +155,10 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     warps = 4 if BLOCK >= 512 else 1
     threshold = None
     if top_k:
-        TKP = triton.next_power_of_2(top_k)
-        # slices wide enough that the merge holds at most 4096 candidates a row
-        BT = max(BLOCK, triton.next_power_of_2(triton.cdiv(V * TKP, 4096)))
-        NBT = triton.cdiv(V, BT)
-        cand = torch.empty(F, NBT, TKP, dtype=f32, device=dev)
-        draw_threshold_slices_kernel[(NBT, F)](x, x.stride(0), cand, V, NBT, temperature, TOP_K=top_k, TKP=TKP,
-                                               BLOCK=BT, num_warps=warps if BT <= 1024 else 8)
         threshold = torch.empty(F, dtype=f32, device=dev)
-        C = NBT * TKP
-        draw_threshold_merge_kernel[(F,)](cand, threshold, C, TOP_K=top_k, TKP=TKP,
-                                          BC=max(16, triton.next_power_of_2(C)), num_warps=1 if C <= 256 else 4)
+        BT = min(8192, max(16, triton.next_power_of_2(V)))
+        draw_threshold_kernel[(F,)](x, x.stride(0), threshold, V, temperature, TOP_K=top_k, BLOCK=BT,
+                                    num_warps=8 if BT >= 4096 else 4)
     part_max = torch.empty(F, NB, dtype=f32, device=dev)
     part_sum = torch.empty(F, NB, dtype=f32, device=dev)
     key_v = torch.empty(F, NB, KP, dtype=f32, device=dev)

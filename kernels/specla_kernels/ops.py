@@ -169,7 +169,8 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int,
     top-k warpers, the warped log-probs written into ``logq_out`` (see ``draw_children_ref``). Fresh randomness each
     call from torch's generator, also inside a CUDA graph: the Triton path reads a seed drawn on the device (Philox in
     the kernel), the reference path uniforms."""
-    if use_triton(x) and k <= _draw.MAX_DRAWS and top_k <= _draw.MAX_TOP_K:
+    top_k = 0 if top_k >= x.shape[-1] else top_k               # keeps every entry, as the warper does
+    if use_triton(x) and k <= _draw.MAX_DRAWS and (not top_k or x.shape[-1] <= _draw.MAX_THRESHOLD_VOCAB):
         seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
         return _draw.draw_children(x, k, temperature, top_k, logq_out, seed=seed)
     return reference.draw_children_ref(x, k, temperature, top_k, logq_out, torch.empty_like(x).uniform_())
