@@ -416,15 +416,19 @@ def test_tree_nodes_score_what_the_mtp_layer_computes(trained, threshold):
         assert float(tree.log_probs[node]) == pytest.approx(expected, abs=1e-4), (node, path)
 
 
-def test_sampling_is_lossless():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_sampling_is_lossless(device):
     """2000 draws of (x1, x2) on a vocabulary of 8 through the loop generate() runs, drafting trees of three
-    children per node with a random MTP head: the first token and the pair follow the target's exact laws."""
+    children per node with a random MTP head: the first token and the pair follow the target's exact laws. On CUDA
+    the head's children are drawn by the Triton kernels inside its graphs."""
     torch.manual_seed(1234)
     target = tiny_hybrid("qwen3_5", seed=30, vocab=8, hidden=32, heads=2, kv_heads=1, layers=2, attention_every=2)
     head = random_head(target, seed=31)
-    ids = torch.tensor([[1, 5, 2]])
+    target, head = target.to(device), head.to(device)
+    ids = torch.tensor([[1, 5, 2]], device=device)
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
-    p1, p2 = _exact_first_two(target, ids, procs)
+    p1, p2 = (p.cpu() for p in _exact_first_two(target, ids, procs))
     draws = 2000
     options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
     c1, c12, accepted, _ = _sample_counts(HybridRunner(target), lambda: head.candidate_generator(target, options), ids,
