@@ -120,13 +120,14 @@ def add_tuning_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fused-verify", type=int, default=tuning.active().fused_verify_max_nodes,
                     help="verified trees of up to this many nodes through fused_gemm (tuning's "
                          "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
-    ap.add_argument("--no-draw-kernel", action="store_true",
-                    help="sampled drafts drawn by the processors in torch instead of ops.draw_children")
+    ap.add_argument("--warpers-in-torch", action="store_true",
+                    help="a drafter's sampled children: the temperature / top-k warpers in torch before "
+                         "ops.draw_children instead of inside it")
 
 
 def tuning_changes(args) -> dict:
     """``tuning.using`` keywords of ``add_tuning_options``' arguments."""
-    return dict(fused_verify_max_nodes=args.fused_verify, draw_kernel=not args.no_draw_kernel)
+    return dict(fused_verify_max_nodes=args.fused_verify, draw_warpers=not args.warpers_in_torch)
 
 
 def prompts(eval_dir: Path, per_set: int) -> list[str]:

@@ -12,7 +12,7 @@ launches, or four with a top-k warper:
    their Gumbel keys (uniforms from Philox on a seed read from device memory, so a CUDA graph replays fresh draws) and
    the slice's ``K`` largest keys.
 3. One program per row: the normaliser, the ``K`` largest keys of the slices' (the draws, in draw order), their
-   log-probs and sibling ranks (fp64, as ``sibling_ranks``).
+   log-probs and sibling ranks (fp64).
 4. One program per slice writes the row's log-probs (``-inf`` where removed): the acceptance's ``q``.
 """
 from __future__ import annotations

@@ -69,9 +69,10 @@ class KernelTuning:
     # (``torch.nn.attention.SDPBackend`` names, lower case) for the rest; empty: SDPA, torch's choice. On the H200
     # torch's choice for a tree mask is cuDNN's kernel, 117-120 us a call at a 2048-slot cache
     tree_attention_backends: tuple[str, ...] = ("specla",)
-    # a drafter's children under sampling with the temperature / top-k warpers drawn by ``ops.draw_children`` (3-4
-    # launches a depth) instead of the processors, log-softmax, noise and ranks in torch (~20)
-    draw_kernel: bool = True
+    # a drafter's sampled children under the temperature / top-k warpers alone: the warpers applied inside
+    # ``ops.draw_children`` (4 launches a depth with the draws) instead of in torch before it (~5 more, torch.topk's
+    # radix select among them)
+    draw_warpers: bool = True
 
 
 _ACTIVE = [KernelTuning()]

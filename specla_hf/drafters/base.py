@@ -10,7 +10,7 @@ best children, and at the end the global top-``budget`` nodes are submitted; nod
 under the (adaptive) confidence threshold are never submitted, and a depth whose best node falls under it ends the
 drafting. Subclasses say how one drafter pass scores the tree built so far. Under sampling (``sample_drafts``) a
 node's children are draws from the drafter's distribution instead, ranked for the submission by what their earlier
-siblings left (``sibling_ranks``), as the acceptance's rejection sampling requires.
+siblings left (``ops.draw_children``), as the acceptance's rejection sampling requires.
 
 On the GPU drafting is host-bound unless the host stays out of the loop, so the tree lives in static device buffers
 (``DraftBuffers``) and each depth is one idempotent step on them (score the tree, take each frontier node's top-k,
@@ -163,17 +163,6 @@ class DraftBuffers:
     def verified_tree(self, n: int) -> DraftTree:
         """The tree of ``n`` nodes last kept by ``keep_verified`` (waits for the device)."""
         return _tree_of_rows(self.verified[:, :n].cpu())
-
-
-def sibling_ranks(top_logq: torch.Tensor) -> torch.Tensor:
-    """The selection ranks of children drawn in order without replacement (``top_logq [F, K]``, their log-probs): the
-    log of the mass each draw was made from, ``1 - (the earlier siblings' probabilities)``. A child's rank depends on
-    its earlier siblings only, not on its own token, so which children a tree keeps is a prefix of the draws that
-    does not depend on the draw being tried, as the rejection sampling (``loop.acceptance``) requires; the rank is at
-    least the child's log-prob (a parent outranks its children) and falls from one sibling to the next."""
-    q = top_logq.double().exp()
-    left = (1 - (q.cumsum(1) - q)).clamp(min=0).log()
-    return torch.maximum(left, top_logq.double()).cummin(1).values.to(top_logq.dtype)
 
 
 def kernel_warpers(processors: LogitsProcessorList, draws: int) -> tuple[float, int] | None:
@@ -331,8 +320,8 @@ class DynamicTreeDrafter:
         highest draft log-prob are accepted with the target's probability of each. ``None`` (greedy decoding, or a
         drafter that cannot, ``samples_drafts``): the ``topk`` children of highest draft log-prob."""
         self.draft_sampling = processors if self.samples_drafts else None
-        # temperature and top-k alone: drawn by ``ops.draw_children`` (a few launches a depth instead of ~20)
-        self._warpers = (None if self.draft_sampling is None or not tuning.active().draw_kernel
+        # temperature and top-k alone: warped inside ``ops.draw_children`` (other processors run in torch first)
+        self._warpers = (None if self.draft_sampling is None or not tuning.active().draw_warpers
                          else kernel_warpers(self.draft_sampling, self.options.topk))
         self._sampling_key = (None if self.draft_sampling is None
                               else (processor_key(self.draft_sampling), self._warpers is not None))
@@ -385,13 +374,7 @@ class DynamicTreeDrafter:
         if self._warpers is not None:
             return ops.draw_children(logp, k, *self._warpers, rows)
         no_context = torch.empty(logp.shape[0], 0, dtype=torch.long, device=logp.device)
-        logq = torch.log_softmax(self.draft_sampling(no_context, logp.float()), -1)
-        rows.copy_(logq)
-        # Gumbel-max keys: their top k are k draws without replacement, in draw order
-        noise = torch.empty_like(logq).exponential_().clamp_(min=torch.finfo(logq.dtype).tiny).log_()
-        top_token = ops.row_topk(logq - noise, k)[1]
-        top_logq = logq.gather(1, top_token)
-        return top_logq, sibling_ranks(top_logq), top_token
+        return ops.draw_children(self.draft_sampling(no_context, logp.float()), k, 1.0, 0, rows)
 
     def tree_draft_logq(self, slots: torch.Tensor) -> torch.Tensor:
         """The draft log-probs after the tree nodes in ``slots`` (their expanded slots) over the target's vocabulary
