@@ -35,9 +35,8 @@ def _scaled(x, stride_x, row, cols, V, temperature):
 
 
 @triton.jit
-def _ordered(s):
-    """int32 keys of fp32 values in their order (negative values' magnitude bits flipped)."""
-    bits = s.to(tl.int32, bitcast=True)
+def _flip_negative(bits):
+    """fp32 bits <-> int32 keys in the values' order: a negative value's magnitude bits flipped (its own inverse)."""
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
@@ -54,12 +53,11 @@ def draw_threshold_kernel(x, stride_x, threshold, V, temperature, TOP_K: tl.cons
         count = tl.zeros([], tl.int32)
         for c0 in range(0, V, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            key = _ordered(_scaled(x, stride_x, row, cols, V, temperature))
+            key = _flip_negative(_scaled(x, stride_x, row, cols, V, temperature).to(tl.int32, bitcast=True))
             count += tl.sum(((key.to(tl.int64) >= mid) & (cols < V)).to(tl.int32), 0)
         lo = tl.where(count >= TOP_K, mid, lo)
         hi = tl.where(count >= TOP_K, hi, mid - 1)
-    bits = lo.to(tl.int32)
-    tl.store(threshold + row, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True))
+    tl.store(threshold + row, _flip_negative(lo.to(tl.int32)).to(tl.float32, bitcast=True))
 
 
 @triton.jit
