@@ -178,8 +178,8 @@ def main() -> None:
         expect(ids)
         with mock.patch.object(EagleDrafter, "catches_up_on_device", False) if host_loop else contextlib.nullcontext():
             big.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                         do_sample=False, assistant_model=drafter, tree=True, confidence_threshold=0.0,
-                         **fallback, **kw)
+                         assistant_model=drafter, tree=True, confidence_threshold=0.0,
+                         **{"do_sample": False, **fallback, **kw})
         return big.specla_stats
     if args.hybrid and args.draft_vocab:
         every = [tok(t, return_tensors="pt").input_ids[:, :256].cuda() for texts in prompts.values() for t in texts]
