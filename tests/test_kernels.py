@@ -1046,9 +1046,10 @@ def test_expand_frontier_matches_reference(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_draw_children_matches_reference(device):
     """Given the same uniforms, the drawn children (tokens exactly; log-probs, sibling ranks and the written log-prob
-    rows to rounding) equal the reference: with and without the top-k warper, temperatures below and above 1, rows of
-    one slice and of several, a strided row view, exact score ties at the top-k threshold, a row with -inf entries and
-    a top-k warper keeping fewer entries than the draws (the rest token 0 at -inf)."""
+    rows to rounding) equal the reference: with and without the top-k warper, temperatures below and above 1, rows
+    drawn by one program (up to ``4 * block`` entries) and by slices, a strided row view, exact score ties at the
+    top-k threshold, a row with -inf entries and a top-k warper keeping fewer entries than the draws (the rest token 0
+    at -inf)."""
     from specla_kernels.draw import draw_children
     gen = seeded('draw')
     block = 64 if device == "cpu" else 1024
@@ -1061,7 +1062,7 @@ def test_draw_children_matches_reference(device):
         x[-1, :5] = float("-inf")
         rows, u = x[:F].to(device), torch.rand(F, V, generator=gen).to(device)
         got_q, want_q = torch.full_like(rows, float("nan")), torch.empty_like(rows)
-        got = draw_children(rows, k, temperature, top_k, got_q, uniforms=u, block=block)
+        got = draw_children(rows, k, temperature, top_k, got_q, uniforms=u, block=block, one_program=4 * block)
         want = ref.draw_children_ref(rows, k, temperature, top_k, want_q, u)
         case = (F, V, k, temperature, top_k)
         assert torch.equal(got[2], want[2]), case
@@ -1070,7 +1071,8 @@ def test_draw_children_matches_reference(device):
             assert torch.allclose(g.nan_to_num(0, 0, 0), w.nan_to_num(0, 0, 0), atol=1e-5, rtol=1e-5), case
         strided = x.to(device)[:, ::2]
         u = torch.rand(strided.shape, generator=gen).to(device)
-        got = draw_children(strided, k, temperature, top_k, torch.empty_like(strided), uniforms=u, block=block)
+        got = draw_children(strided, k, temperature, top_k, torch.empty_like(strided), uniforms=u, block=block,
+                            one_program=4 * block)
         want = ref.draw_children_ref(strided, k, temperature, top_k, torch.empty_like(strided), u)
         assert torch.equal(got[2], want[2]), (case, "strided")
 

@@ -116,6 +116,7 @@ def call_every_wrapper():
     topk.row_topk(z(4, 16384), 4)
     seed = torch.zeros(1, dtype=torch.long)
     draw.draw_children(z(4, 8192, dtype=f32), 4, 0.7, 50, z(4, 8192, dtype=f32), seed=seed)   # a top-k warper
+    draw.draw_children(z(4, 8192, dtype=f32), 4, 1.0, 0, z(4, 8192, dtype=f32), seed=seed)
     draw.draw_children(z(4, 32768, dtype=f32), 4, 0.7, 50, z(4, 32768, dtype=f32), seed=seed)
     draw.draw_children(z(4, 248320, dtype=f32), 4, 1.0, 0, z(4, 248320, dtype=f32), seed=seed)
     draft_expand.expand_frontier(z(4, 4, dtype=f32), z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long),
@@ -159,7 +160,8 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
             "rms_norm_gated_kernel", "tree_conv_kernel", "commit_kernel", "row_topk_slices_kernel",
             "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel",
             "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_rank_kernel",
-            "draw_threshold_kernel", "draw_slices_kernel", "draw_merge_kernel", "draw_logq_kernel"} <= names, names
+            "draw_row_kernel", "draw_threshold_kernel", "draw_slices_kernel", "draw_merge_kernel",
+            "draw_logq_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",

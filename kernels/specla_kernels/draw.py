@@ -3,17 +3,21 @@
 Under sampling each expanded node's ``K`` children are draws without replacement from the drafter's distribution after
 the target's warpers (temperature, top-k): the ``K`` largest Gumbel keys. In torch that is ~20 tiny kernels a depth
 (the warpers, ``torch.topk``'s multi-pass radix select for the top-k warper's threshold, log-softmax, the noise, the
-draws' log-probs, the sibling ranks), each costing more in launch and dependency gaps than in work. Here it is three
-launches, or four with a top-k warper:
+draws' log-probs, the sibling ranks), each costing more in launch and dependency gaps than in work.
 
-1. (top-k warper) one program per row finds the ``top_k``-th largest scaled score (the warper's threshold: entries
-   below it are removed) by bisection over the scores' 32-bit order.
-2. One program per slice: its kept entries' max and sum of exponentials (the log-softmax's normaliser, in parts),
-   their Gumbel keys (uniforms from Philox on a seed read from device memory, so a CUDA graph replays fresh draws) and
-   the slice's ``K`` largest keys.
-3. One program per row: the normaliser, the ``K`` largest keys of the slices' (the draws, in draw order), their
-   log-probs and sibling ranks (fp64).
-4. One program per slice writes the row's log-probs (``-inf`` where removed): the acceptance's ``q``.
+A row of up to ``ONE_PROGRAM_VOCAB`` entries (a drafter's vocabulary of 8K-16K tokens) is one program from start to
+end, held in registers: the top-k warper's threshold (the ``top_k``-th largest scaled score, by bisection over the
+scores' 32-bit order), the log-softmax's normaliser, the Gumbel keys (uniforms from Philox on a seed read from device
+memory, so a CUDA graph replays fresh draws), the ``K`` largest keys (the draws, in draw order), their log-probs and
+sibling ranks (fp64), and the row's log-probs (``-inf`` where removed: the acceptance's ``q``). One launch a depth.
+
+A longer row (a 32K draft vocabulary) is spread over slices of it, in three launches, or four with a top-k warper:
+
+1. (top-k warper) one program per row finds the threshold, reading the row block by block in each counting pass.
+2. One program per slice: its kept entries' max and sum of exponentials (the normaliser, in parts), their Gumbel keys
+   and the slice's ``K`` largest keys.
+3. One program per row: the normaliser, the ``K`` largest keys of the slices', the draws' log-probs and ranks.
+4. One program per slice writes the row's log-probs.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from specla_kernels.topk import NO_INDEX, top_k_slots
 
 MAX_DRAWS = 16
 MAX_THRESHOLD_VOCAB = 65536   # the top-k warper's threshold takes 32 passes over a row: larger ones take torch
+ONE_PROGRAM_VOCAB = 16384     # rows up to this long are drawn by one program each (32 entries a thread)
 
 
 @triton.jit
@@ -41,10 +46,28 @@ def _flip_negative(bits):
 
 
 @triton.jit
+def _order_keys(x, stride_x, row, cols, V, temperature):
+    """The scaled scores at ``cols`` as int32 keys in their order (``_flip_negative`` of their bits)."""
+    return _flip_negative(_scaled(x, stride_x, row, cols, V, temperature).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _halve(lo, hi, mid, count, TOP_K: tl.constexpr):
+    """One bisection step for the largest key ``t`` with at least ``TOP_K`` keys ``>= t``: ``count`` keys are
+    ``>= mid``."""
+    return tl.where(count >= TOP_K, mid, lo), tl.where(count >= TOP_K, hi, mid - 1)
+
+
+@triton.jit
+def _key_score(key):
+    """The fp32 score of an order key."""
+    return _flip_negative(key.to(tl.int32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def draw_threshold_kernel(x, stride_x, threshold, V, temperature, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    # the TOP_K-th largest scaled score of a row, duplicates counted: the largest key t with at least TOP_K keys
-    # >= t, by bisection over the 2^32 keys (32 counting passes over the row, which stays in L1 for the vocabularies
-    # this takes)
+    # the TOP_K-th largest scaled score of a row, duplicates counted, by bisection over the 2^32 keys (32 counting
+    # passes over the row, which stays in L1 for the vocabularies this takes)
     row = tl.program_id(0)
     lo = tl.full([], -2147483648, tl.int64)
     hi = tl.full([], 2147483647, tl.int64)
@@ -53,11 +76,23 @@ def draw_threshold_kernel(x, stride_x, threshold, V, temperature, TOP_K: tl.cons
         count = tl.zeros([], tl.int32)
         for c0 in range(0, V, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            key = _flip_negative(_scaled(x, stride_x, row, cols, V, temperature).to(tl.int32, bitcast=True))
-            count += tl.sum(((key.to(tl.int64) >= mid) & (cols < V)).to(tl.int32), 0)
-        lo = tl.where(count >= TOP_K, mid, lo)
-        hi = tl.where(count >= TOP_K, hi, mid - 1)
-    tl.store(threshold + row, _flip_negative(lo.to(tl.int32)).to(tl.float32, bitcast=True))
+            key = _order_keys(x, stride_x, row, cols, V, temperature)
+            count += tl.sum(((key >= mid.to(tl.int32)) & (cols < V)).to(tl.int32), 0)
+        lo, hi = _halve(lo, hi, mid, count, TOP_K)
+    tl.store(threshold + row, _key_score(lo))
+
+
+@triton.jit
+def _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS: tl.constexpr):
+    """Gumbel-max keys of the kept scaled scores ``s`` at ``cols`` (``-inf`` exactly where nothing can be drawn)."""
+    at = row.to(tl.int64) * V + cols
+    if GIVEN_UNIFORMS:
+        u = tl.load(uniforms + at, mask=cols < V, other=0.)
+    else:
+        u = tl.rand(tl.load(seed), at.to(tl.int32))
+    # -log(Exp(1)); the Exp(1) draw kept above 0 as the torch path clamps it
+    e = tl.maximum(-tl.log(1. - u), 1.1754943508222875e-38)
+    return s - tl.log(e)
 
 
 @triton.jit
@@ -75,14 +110,7 @@ def draw_slices_kernel(x, stride_x, threshold, uniforms, seed, part_max, part_su
     safe = tl.where(top == float("-inf"), 0., top)           # a slice with nothing kept adds 0 to the sum
     tl.store(part_max + row * NB + i_s, top)
     tl.store(part_sum + row * NB + i_s, tl.sum(tl.exp(s - safe), 0))
-    at = row.to(tl.int64) * V + cols
-    if GIVEN_UNIFORMS:
-        u = tl.load(uniforms + at, mask=cols < V, other=0.)
-    else:
-        u = tl.rand(tl.load(seed), at.to(tl.int32))
-    # Gumbel-max keys: -log(Exp(1)); the Exp(1) draw kept above 0 as the torch path clamps it
-    e = tl.maximum(-tl.log(1. - u), 1.1754943508222875e-38)
-    key = s - tl.log(e)                                       # -inf exactly where nothing can be drawn
+    key = _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS)
     kv, ki = top_k_slots(key, cols.to(tl.int64), key != float("-inf"), K, KP)
     slot = (row.to(tl.int64) * NB + i_s) * KP + tl.arange(0, KP)
     tl.store(key_v + slot, kv)
@@ -90,24 +118,13 @@ def draw_slices_kernel(x, stride_x, threshold, uniforms, seed, part_max, part_su
 
 
 @triton.jit
-def draw_merge_kernel(x, stride_x, part_max, part_sum, key_v, key_i, lse, top_logq, rank, token, NB, temperature,
-                      K: tl.constexpr, KP: tl.constexpr, BNB: tl.constexpr, BC: tl.constexpr):
-    row = tl.program_id(0)
-    b = tl.arange(0, BNB)
-    mb = b < NB
-    pm = tl.load(part_max + row * NB + b, mask=mb, other=float("-inf"))
-    ps = tl.load(part_sum + row * NB + b, mask=mb, other=0.)
-    top = tl.max(pm, 0)
-    norm = top + tl.log(tl.sum(ps * tl.exp(pm - top), 0))
-    tl.store(lse + row, norm)
-    j = tl.arange(0, BC)
-    mj = j < NB * KP
-    kv = tl.load(key_v + row.to(tl.int64) * NB * KP + j, mask=mj, other=float("-inf"))
-    ki = tl.load(key_i + row.to(tl.int64) * NB * KP + j, mask=mj, other=NO_INDEX)
-    _, pick = top_k_slots(kv, ki, mj & (ki != NO_INDEX), K, KP)     # ties: the lower column
+def _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, token, K: tl.constexpr,
+                 KP: tl.constexpr):
+    """A row's draws ``pick [KP]`` (in draw order; ``NO_INDEX``: none) from its log-softmax with normaliser ``norm``:
+    their log-probs, sibling ranks and tokens (a missing draw: token 0 at log-prob and rank ``-inf``)."""
     slot = tl.arange(0, KP)
     m_k = slot < K
-    drawn = m_k & (pick != NO_INDEX)                 # fewer than K entries can be drawn: token 0 at log-prob -inf
+    drawn = m_k & (pick != NO_INDEX)
     cols = tl.where(drawn, pick, 0)
     logq = tl.load(x + row.to(tl.int64) * stride_x + cols, mask=drawn, other=0.).to(tl.float32) / temperature - norm
     logq = tl.where(drawn, logq, float("-inf"))
@@ -128,6 +145,49 @@ def draw_merge_kernel(x, stride_x, part_max, part_sum, key_v, key_i, lse, top_lo
 
 
 @triton.jit
+def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank, token, V, temperature,
+                    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                    GIVEN_UNIFORMS: tl.constexpr):
+    # a whole row in one program (module docstring): threshold, normaliser, keys, draws, the log-prob row
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    s = _scaled(x, stride_x, row, cols, V, temperature)
+    if TOP_K > 0:
+        key = _flip_negative(s.to(tl.int32, bitcast=True))
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo + 1) // 2
+            lo, hi = _halve(lo, hi, mid, tl.sum(((key >= mid.to(tl.int32)) & (cols < V)).to(tl.int32), 0), TOP_K)
+        s = tl.where(s >= _key_score(lo), s, float("-inf"))
+    top = tl.max(s, 0)
+    norm = top + tl.log(tl.sum(tl.exp(s - top), 0))
+    tl.store(logq + row.to(tl.int64) * stride_q + cols, s - norm, mask=cols < V)
+    key = _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS)
+    _, pick = top_k_slots(key, cols.to(tl.int64), key != float("-inf"), K, KP)
+    _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, token, K, KP)
+
+
+@triton.jit
+def draw_merge_kernel(x, stride_x, part_max, part_sum, key_v, key_i, lse, top_logq, rank, token, NB, temperature,
+                      K: tl.constexpr, KP: tl.constexpr, BNB: tl.constexpr, BC: tl.constexpr):
+    row = tl.program_id(0)
+    b = tl.arange(0, BNB)
+    mb = b < NB
+    pm = tl.load(part_max + row * NB + b, mask=mb, other=float("-inf"))
+    ps = tl.load(part_sum + row * NB + b, mask=mb, other=0.)
+    top = tl.max(pm, 0)
+    norm = top + tl.log(tl.sum(ps * tl.exp(pm - top), 0))
+    tl.store(lse + row, norm)
+    j = tl.arange(0, BC)
+    mj = j < NB * KP
+    kv = tl.load(key_v + row.to(tl.int64) * NB * KP + j, mask=mj, other=float("-inf"))
+    ki = tl.load(key_i + row.to(tl.int64) * NB * KP + j, mask=mj, other=NO_INDEX)
+    _, pick = top_k_slots(kv, ki, mj & (ki != NO_INDEX), K, KP)     # ties: the lower column
+    _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, token, K, KP)
+
+
+@triton.jit
 def draw_logq_kernel(x, stride_x, threshold, lse, logq, stride_q, V, temperature, BLOCK: tl.constexpr,
                      HAS_THRESHOLD: tl.constexpr):
     i_s, row = tl.program_id(0), tl.program_id(1)
@@ -141,15 +201,28 @@ def draw_logq_kernel(x, stride_x, threshold, lse, logq, stride_q, V, temperature
 
 def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
                   seed: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
-                  block: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  block: int = 1024, one_program: int = ONE_PROGRAM_VOCAB
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``draw_children_ref``: the uniforms come from Philox on ``seed`` (an int64 device tensor of
-    one element, drawn fresh each call) unless ``uniforms [F, V]`` are given (tests)."""
+    one element, drawn fresh each call) unless ``uniforms [F, V]`` are given (tests). Rows of at most
+    ``one_program`` entries take one program each, longer ones slices of ``block`` entries (tests take both)."""
     F, V = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     KP = triton.next_power_of_2(k)
+    dev, f32 = x.device, torch.float32
+    given = uniforms is not None
+    top_logq = torch.empty(F, k, dtype=f32, device=dev)
+    rank = torch.empty(F, k, dtype=f32, device=dev)
+    token = torch.empty(F, k, dtype=torch.int64, device=dev)
+    if V <= one_program:
+        BLOCK = max(16, triton.next_power_of_2(V))
+        draw_row_kernel[(F,)](x, x.stride(0), uniforms.contiguous() if given else x,
+                              seed if seed is not None else token, logq_out, logq_out.stride(0), top_logq, rank,
+                              token, V, temperature, K=k, KP=KP, BLOCK=BLOCK, TOP_K=top_k, GIVEN_UNIFORMS=given,
+                              num_warps=max(1, min(16, BLOCK // 1024)))
+        return top_logq, rank, token
     BLOCK = min(block, max(16, triton.next_power_of_2(V)))
     NB = triton.cdiv(V, BLOCK)
-    dev, f32 = x.device, torch.float32
     warps = 4 if BLOCK >= 512 else 1
     threshold = None
     if top_k:
@@ -161,15 +234,11 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     part_sum = torch.empty(F, NB, dtype=f32, device=dev)
     key_v = torch.empty(F, NB, KP, dtype=f32, device=dev)
     key_i = torch.empty(F, NB, KP, dtype=torch.int64, device=dev)
-    given = uniforms is not None
     draw_slices_kernel[(NB, F)](x, x.stride(0), threshold if top_k else x, uniforms.contiguous() if given else x,
                                 seed if seed is not None else key_i, part_max, part_sum, key_v, key_i, V, NB,
                                 temperature, K=k, KP=KP, BLOCK=BLOCK, HAS_THRESHOLD=bool(top_k),
                                 GIVEN_UNIFORMS=given, num_warps=warps)
     lse = torch.empty(F, dtype=f32, device=dev)
-    top_logq = torch.empty(F, k, dtype=f32, device=dev)
-    rank = torch.empty(F, k, dtype=f32, device=dev)
-    token = torch.empty(F, k, dtype=torch.int64, device=dev)
     C = NB * KP
     draw_merge_kernel[(F,)](x, x.stride(0), part_max, part_sum, key_v, key_i, lse, top_logq, rank, token, NB,
                             temperature, K=k, KP=KP, BNB=max(16, triton.next_power_of_2(NB)),
