@@ -1,0 +1,103 @@
+"""GPU microbenchmark of a sampled draft depth's draws (``ops.draw_children``) against the greedy depth's top-k and
+the torch warpers, launch by launch, as CUDA graph replays (``bench_kernels.bench_graph``; each graph holds 10 calls,
+reported per call): the frontier rows of the 1.3B GDN drafter (vocabulary 8192) and of the MTP head's 32K draft
+vocabulary, 4 children a row, temperature 0.7 under transformers' default top-k of 50.
+
+- ``draw``: the whole call as the drafter makes it (the seed drawn on the device, then the kernels: one program a
+  row at 8192 entries, slices at 32K);
+- ``draw_no_top_k``: the call without the top-k warper: its three other launches and the seed (the difference is
+  the top-k threshold's launch);
+- ``torch_warpers``: the warpers in torch, then the kernels at temperature 1 (the path of other processors);
+- ``greedy_topk``: a greedy depth's ``ops.row_topk`` of the same rows.
+``--baseline FILE``: the same rows for another version of ``draw.py`` (e.g. ``git show REV:kernels/specla_kernels/
+draw.py > FILE``), alternated with the current one. Writes ``--out/bench_draw.json``; a table last.
+
+    python benchmarks/bench_draw.py --out OUT [--baseline FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import bench_graph  # noqa: E402
+
+from specla_kernels import draw as draw_module  # noqa: E402
+from specla_kernels import ops  # noqa: E402
+
+REPEAT = 10          # calls a graph holds: the replay's own launch cost is spread over them
+SHAPES = [(1, 8192), (4, 8192), (1, 32768), (4, 32768)]      # (frontier rows, vocabulary)
+K, TEMPERATURE, TOP_K = 4, 0.7, 50
+
+
+def per_call_us(fn) -> float:
+    def many():
+        for _ in range(REPEAT):
+            fn()
+    return bench_graph(many) * 1e3 / REPEAT
+
+
+def load_version(path: Path):
+    spec = importlib.util.spec_from_file_location("draw_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows_for(module, logp: torch.Tensor) -> dict:
+    """The timed calls of one version of ``draw.py`` on frontier log-probs ``logp``."""
+    F, V = logp.shape
+    logq = torch.empty_like(logp)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)])
+    no_context = torch.empty(F, 0, dtype=torch.long, device=logp.device)
+
+    def seed():
+        return torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=logp.device)
+    return {
+        "draw": lambda: module.draw_children(logp, K, TEMPERATURE, TOP_K, logq, seed=seed()),
+        "draw_no_top_k": lambda: module.draw_children(logp, K, TEMPERATURE, 0, logq, seed=seed()),
+        "torch_warpers": lambda: module.draw_children(warpers(no_context, logp.float()), K, 1.0, 0, logq,
+                                                      seed=seed()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--baseline", type=Path, help="another version of draw.py, timed beside the current one")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    versions = {"current": draw_module}
+    if args.baseline:
+        versions["baseline"] = load_version(args.baseline)
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    for F, V in SHAPES:
+        logp = torch.log_softmax(torch.randn(F, V, generator=gen) * 3, -1).cuda()
+        record = dict(frontier_rows=F, vocab=V, children=K, temperature=TEMPERATURE, top_k=TOP_K,
+                      greedy_topk_us=per_call_us(lambda: ops.row_topk(logp, K)))
+        for _ in range(2):                            # alternated: a drift of the machine shows as a spread
+            for name, module in versions.items():
+                for op, fn in rows_for(module, logp).items():
+                    record.setdefault(f"{name}_{op}_us", []).append(round(per_call_us(fn), 2))
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        (args.out / "bench_draw.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
+                                                                  records=records), indent=1))
+    ops_names = sorted({k[:-3] for r in records for k in r if k.endswith("_us")})
+    print("\n| rows x vocab | " + " | ".join(ops_names) + " |")
+    for r in records:
+        cells = [str(min(r[f"{n}_us"])) if isinstance(r[f"{n}_us"], list) else f"{r[f'{n}_us']:.2f}"
+                 for n in ops_names]
+        print(f"| {r['frontier_rows']} x {r['vocab']} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
