@@ -1078,6 +1078,28 @@ def test_draw_children_matches_reference(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_warped_log_probs_equal_transformers_warpers(device):
+    """``ops.warped_log_probs`` (one program a row on the Triton path) equals transformers' temperature and top-k
+    warpers then a log-softmax, on bf16 and fp32 scores: -inf exactly where the warper removes an entry (ties at the
+    threshold kept), the rest to rounding; a top-k of the whole row keeps every entry."""
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper)
+    gen = seeded('warp')
+    for R, V, temperature, top_k, dtype in [(1, 37, 0.7, 0, torch.float32), (5, 300, 0.7, 50, torch.bfloat16),
+                                            (3, 2100, 1.3, 5, torch.float32), (2, 64, 1.0, 64, torch.bfloat16)]:
+        x = torch.randn(R, V, generator=gen) * 3
+        x[0, ::7] = x[0, 3]                                   # ties, some at the top-k threshold
+        x = x.to(dtype).to(device)
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] +
+                                      ([TopKLogitsWarper(top_k)] if top_k else []))
+        want = warpers(torch.empty(R, 0, dtype=torch.long), x.float().cpu()).log_softmax(-1)
+        got = ops.warped_log_probs(x, temperature, top_k).cpu()
+        case = (R, V, temperature, top_k, dtype)
+        assert got.dtype == torch.float32 and torch.equal(got.isinf(), want.isinf()), case
+        assert torch.allclose(got.nan_to_num(0, 0, 0), want.nan_to_num(0, 0, 0), atol=1e-5, rtol=1e-5), case
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_draw_children_draws_from_the_warped_distribution(device):
     """Through ``ops.draw_children`` (the kernel's own Philox uniforms on a seed drawn each call): the first child
     follows the warped distribution and the second the distribution without the first (chi-square, p > 1e-4), and

@@ -163,9 +163,10 @@ def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank,
     top = tl.max(s, 0)
     norm = top + tl.log(tl.sum(tl.exp(s - top), 0))
     tl.store(logq + row.to(tl.int64) * stride_q + cols, s - norm, mask=cols < V)
-    key = _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS)
-    _, pick = top_k_slots(key, cols.to(tl.int64), key != float("-inf"), K, KP)
-    _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, token, K, KP)
+    if K > 0:                                                  # K 0: the warped rows alone (``warped_log_probs``)
+        key = _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS)
+        _, pick = top_k_slots(key, cols.to(tl.int64), key != float("-inf"), K, KP)
+        _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, token, K, KP)
 
 
 @triton.jit
@@ -246,3 +247,16 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     draw_logq_kernel[(NB, F)](x, x.stride(0), threshold if top_k else lse, lse, logq_out, logq_out.stride(0), V,
                               temperature, BLOCK=BLOCK, HAS_THRESHOLD=bool(top_k), num_warps=warps)
     return top_logq, rank, token
+
+
+def warped_log_probs(x: torch.Tensor, temperature: float, top_k: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = log_softmax(warped_scores_ref(x, temperature, top_k))`` for rows of at most ``ONE_PROGRAM_VOCAB``
+    entries: ``draw_row_kernel`` without draws, one program a row; returns ``out``."""
+    F, V = x.shape
+    if V > ONE_PROGRAM_VOCAB:
+        raise ValueError(f"warped_log_probs takes rows of at most {ONE_PROGRAM_VOCAB} entries, got {V}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    BLOCK = max(16, triton.next_power_of_2(V))
+    draw_row_kernel[(F,)](x, x.stride(0), x, x, out, out.stride(0), x, x, x, V, temperature, K=0, KP=1, BLOCK=BLOCK,
+                          TOP_K=top_k, GIVEN_UNIFORMS=False, num_warps=max(1, min(16, BLOCK // 1024)))
+    return out

@@ -289,6 +289,15 @@ def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[:, :k], indices[:, :k]
 
 
+def warped_scores_ref(x: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """Each row of scores ``x [F, V]`` after transformers' ``TemperatureLogitsWarper`` and ``TopKLogitsWarper``
+    (``top_k`` 0: none; entries below the ``top_k``-th largest become ``-inf``), fp32."""
+    s = x.float() / temperature
+    if top_k:
+        s = s.masked_fill(s < torch.topk(s, top_k, -1).values[:, -1:], float("-inf"))
+    return s
+
+
 def draw_children_ref(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``k`` children of each row of scores ``x [F, V]`` (fp32) drawn without replacement under the temperature and
@@ -297,9 +306,7 @@ def draw_children_ref(x: torch.Tensor, k: int, temperature: float, top_k: int, l
     where the top-k warper removed an entry) and returns, in draw order, the draws' log-probs, their sibling ranks (the
     log of the mass each draw was made from, floored at its own log-prob, falling; fp64 arithmetic) and tokens, all
     ``[F, k]``. Where fewer than ``k`` entries can be drawn the rest are token 0 at log-prob and rank ``-inf``."""
-    s = x.float() / temperature
-    if top_k:
-        s = s.masked_fill(s < torch.topk(s, top_k, -1).values[:, -1:], float("-inf"))
+    s = warped_scores_ref(x, temperature, top_k)
     logq = s - torch.logsumexp(s, -1, keepdim=True)
     logq_out.copy_(logq)
     exp1 = (-torch.log(1 - uniforms.float())).clamp(min=torch.finfo(torch.float32).tiny)

@@ -40,13 +40,13 @@ from typing import NamedTuple
 
 import torch
 
-from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.logits_process import LogitsProcessorList
 
 from specla_hf.drafters.options import DraftOptions
-from specla_hf.loop.acceptance import processor_key
+from specla_hf.loop.acceptance import kernel_warpers, processor_key
 from specla_hf.models.graphed import tree_bucket
 from specla_hf.runtime.transfer import HostCopy, copy_in
-from specla_kernels import ops, tuning
+from specla_kernels import ops
 
 
 @dataclass
@@ -163,20 +163,6 @@ class DraftBuffers:
     def verified_tree(self, n: int) -> DraftTree:
         """The tree of ``n`` nodes last kept by ``keep_verified`` (waits for the device)."""
         return _tree_of_rows(self.verified[:, :n].cpu())
-
-
-def kernel_warpers(processors: LogitsProcessorList, draws: int) -> tuple[float, int] | None:
-    """``(temperature, top_k)`` (top_k 0: none) when ``processors`` are transformers' temperature and top-k warpers
-    alone, at most one of each, and ``ops.draw_children`` draws ``draws`` children under them; else ``None``."""
-    temperature, top_k = 1.0, 0
-    for p in processors:
-        if type(p) is TemperatureLogitsWarper and temperature == 1.0:
-            temperature = float(p.temperature)
-        elif type(p) is TopKLogitsWarper and not top_k and p.filter_value == float("-inf"):
-            top_k = p.top_k
-        else:
-            return None
-    return (temperature, top_k) if top_k == 0 or top_k >= draws else None
 
 
 def candidate_count(topk: int, depths: int) -> int:
@@ -321,7 +307,7 @@ class DynamicTreeDrafter:
         drafter that cannot, ``samples_drafts``): the ``topk`` children of highest draft log-prob."""
         self.draft_sampling = processors if self.samples_drafts else None
         # temperature and top-k alone: warped inside ``ops.draw_children`` (other processors run in torch first)
-        self._warpers = (None if self.draft_sampling is None or not tuning.active().draw_warpers
+        self._warpers = (None if self.draft_sampling is None
                          else kernel_warpers(self.draft_sampling, self.options.topk))
         self._sampling_key = (None if self.draft_sampling is None
                               else (processor_key(self.draft_sampling), self._warpers is not None))

@@ -16,7 +16,7 @@ import torch
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from specla_kernels import ops
+from specla_kernels import ops, tuning
 from specla_kernels.reference import earlier_siblings, earlier_twin, rejection_residual, without_draw
 
 # processors whose output row depends on that row of scores alone, not on the sequence: a tree's rows (each node with
@@ -34,6 +34,33 @@ def row_wise_probs(logits_processor: LogitsProcessorList, logits: torch.Tensor) 
     empty one stands for every row's), in fp32, as a distribution: what plain sampling draws from."""
     empty = torch.empty(logits.shape[0], 0, dtype=torch.long, device=logits.device)
     return logits_processor(empty, logits.float()).softmax(-1)
+
+
+def kernel_warpers(processors: LogitsProcessorList, draws: int = 1) -> tuple[float, int] | None:
+    """``(temperature, top_k)`` (top_k 0: none) when ``processors`` are transformers' temperature and top-k warpers
+    alone, at most one of each, keeping at least ``draws`` entries (``ops.draw_children``'s children), and the
+    tuning applies them in the kernels (``KernelTuning.draw_warpers``); else ``None``."""
+    if not tuning.active().draw_warpers:
+        return None
+    temperature, top_k = 1.0, 0
+    for p in processors:
+        if type(p) is TemperatureLogitsWarper and temperature == 1.0:
+            temperature = float(p.temperature)
+        elif type(p) is TopKLogitsWarper and not top_k and p.filter_value == float("-inf"):
+            top_k = p.top_k
+        else:
+            return None
+    return (temperature, top_k) if top_k == 0 or top_k >= draws else None
+
+
+def tree_probs(logits_processor: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
+    """``row_wise_probs`` of a verified tree's rows: under the temperature and top-k warpers alone one launch for the
+    warped log-probs (``ops.warped_log_probs``), then their exponentials. (The autoregressive step keeps
+    ``row_wise_probs``, whose rounding stock ``generate``'s draws match.)"""
+    warpers = kernel_warpers(logits_processor)
+    if warpers is None:
+        return row_wise_probs(logits_processor, logits)
+    return ops.warped_log_probs(logits, *warpers).exp()
 
 
 def processor_key(logits_processor: LogitsProcessorList) -> tuple:
