@@ -121,8 +121,9 @@ def add_tuning_options(ap: argparse.ArgumentParser) -> None:
                     help="verified trees of up to this many nodes through fused_gemm (tuning's "
                          "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
     ap.add_argument("--warpers-in-torch", action="store_true",
-                    help="a drafter's sampled children: the temperature / top-k warpers in torch before "
-                         "ops.draw_children instead of inside it")
+                    help="sampling: the temperature / top-k warpers in torch (before ops.draw_children for the "
+                         "drafter's children, transformers' processors for the target's tree rows) instead of "
+                         "inside the kernels")
 
 
 def tuning_changes(args) -> dict:

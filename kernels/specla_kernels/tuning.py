@@ -69,9 +69,10 @@ class KernelTuning:
     # (``torch.nn.attention.SDPBackend`` names, lower case) for the rest; empty: SDPA, torch's choice. On the H200
     # torch's choice for a tree mask is cuDNN's kernel, 117-120 us a call at a 2048-slot cache
     tree_attention_backends: tuple[str, ...] = ("specla",)
-    # a drafter's sampled children under the temperature / top-k warpers alone: the warpers applied inside
-    # ``ops.draw_children`` (4 launches a depth with the draws) instead of in torch before it (~5 more, torch.topk's
-    # radix select among them)
+    # sampling under the temperature / top-k warpers alone: the warpers applied inside the kernels, for a drafter's
+    # children (``ops.draw_children``: one launch a depth with the draws at vocabularies up to 16K) and the target's
+    # probabilities over a verified tree (``ops.warped_log_probs``), instead of in torch (~5 launches more each,
+    # torch.topk's radix select among them)
     draw_warpers: bool = True
 
 
