@@ -176,14 +176,15 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int,
     return reference.draw_children_ref(x, k, temperature, top_k, logq_out, torch.empty_like(x).uniform_())
 
 
-def warped_log_probs(x: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """Rows of scores ``x [R, V]`` after the temperature and top-k warpers (``top_k`` 0: none), as fp32 log-probs
-    (see ``warped_scores_ref``): one launch for rows of up to 16K entries on the Triton path."""
+def warped_probs(x: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """Rows of scores ``x [R, V]`` after the temperature and top-k warpers (``top_k`` 0: none), as fp32
+    probabilities (see ``warped_scores_ref``): on the Triton path the log-probs in one launch for rows of up to 16K
+    entries, then their exponentials; longer rows as torch ops."""
     top_k = 0 if top_k >= x.shape[-1] else top_k
     if use_triton(x) and x.shape[-1] <= _draw.ONE_PROGRAM_VOCAB:
         return _draw.warped_log_probs(x, temperature, top_k, torch.empty(x.shape, dtype=torch.float32,
-                                                                          device=x.device))
-    return torch.log_softmax(reference.warped_scores_ref(x, temperature, top_k), -1)
+                                                                          device=x.device)).exp_()
+    return torch.softmax(reference.warped_scores_ref(x, temperature, top_k), -1)
 
 
 def expand_frontier(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,

@@ -71,7 +71,7 @@ class KernelTuning:
     tree_attention_backends: tuple[str, ...] = ("specla",)
     # sampling under the temperature / top-k warpers alone: the warpers applied inside the kernels, for a drafter's
     # children (``ops.draw_children``: one launch a depth with the draws at vocabularies up to 16K) and the target's
-    # probabilities over a verified tree (``ops.warped_log_probs``), instead of in torch (~5 launches more each,
+    # probabilities over a verified tree (``ops.warped_probs``), instead of in torch (~5 launches more each,
     # torch.topk's radix select among them)
     draw_warpers: bool = True
 

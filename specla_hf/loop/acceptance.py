@@ -54,13 +54,13 @@ def kernel_warpers(processors: LogitsProcessorList, draws: int = 1) -> tuple[flo
 
 
 def tree_probs(logits_processor: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
-    """``row_wise_probs`` of a verified tree's rows: under the temperature and top-k warpers alone one launch for the
-    warped log-probs (``ops.warped_log_probs``), then their exponentials. (The autoregressive step keeps
+    """``row_wise_probs`` of a verified tree's rows: under the temperature and top-k warpers alone
+    ``ops.warped_probs`` (two launches at vocabularies up to 16K). (The autoregressive step keeps
     ``row_wise_probs``, whose rounding stock ``generate``'s draws match.)"""
     warpers = kernel_warpers(logits_processor)
     if warpers is None:
         return row_wise_probs(logits_processor, logits)
-    return ops.warped_log_probs(logits, *warpers).exp()
+    return ops.warped_probs(logits, *warpers)
 
 
 def processor_key(logits_processor: LogitsProcessorList) -> tuple:
