@@ -46,9 +46,9 @@ def _flip_negative(bits):
 
 
 @triton.jit
-def _order_keys(x, stride_x, row, cols, V, temperature):
-    """The scaled scores at ``cols`` as int32 keys in their order (``_flip_negative`` of their bits)."""
-    return _flip_negative(_scaled(x, stride_x, row, cols, V, temperature).to(tl.int32, bitcast=True))
+def _order_keys(s):
+    """fp32 scores as int32 keys in their order (``_flip_negative`` of their bits)."""
+    return _flip_negative(s.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def draw_threshold_kernel(x, stride_x, threshold, V, temperature, TOP_K: tl.cons
         count = tl.zeros([], tl.int32)
         for c0 in range(0, V, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            key = _order_keys(x, stride_x, row, cols, V, temperature)
+            key = _order_keys(_scaled(x, stride_x, row, cols, V, temperature))
             count += tl.sum(((key >= mid.to(tl.int32)) & (cols < V)).to(tl.int32), 0)
         lo, hi = _halve(lo, hi, mid, count, TOP_K)
     tl.store(threshold + row, _key_score(lo))
@@ -153,7 +153,7 @@ def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank,
     cols = tl.arange(0, BLOCK)
     s = _scaled(x, stride_x, row, cols, V, temperature)
     if TOP_K > 0:
-        key = _flip_negative(s.to(tl.int32, bitcast=True))
+        key = _order_keys(s)
         lo = tl.full([], -2147483648, tl.int64)
         hi = tl.full([], 2147483647, tl.int64)
         for _ in range(32):
@@ -200,6 +200,12 @@ def draw_logq_kernel(x, stride_x, threshold, lse, logq, stride_q, V, temperature
     tl.store(logq + row.to(tl.int64) * stride_q + cols, out, mask=cols < V)
 
 
+def _one_row(V: int) -> dict:
+    """``draw_row_kernel``'s block and warps for rows of ``V`` entries: the whole row, 32 entries a thread at most."""
+    BLOCK = max(16, triton.next_power_of_2(V))
+    return dict(BLOCK=BLOCK, num_warps=max(1, min(16, BLOCK // 1024)))
+
+
 def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
                   seed: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
                   block: int = 1024, one_program: int = ONE_PROGRAM_VOCAB
@@ -216,11 +222,9 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     rank = torch.empty(F, k, dtype=f32, device=dev)
     token = torch.empty(F, k, dtype=torch.int64, device=dev)
     if V <= one_program:
-        BLOCK = max(16, triton.next_power_of_2(V))
         draw_row_kernel[(F,)](x, x.stride(0), uniforms.contiguous() if given else x,
                               seed if seed is not None else token, logq_out, logq_out.stride(0), top_logq, rank,
-                              token, V, temperature, K=k, KP=KP, BLOCK=BLOCK, TOP_K=top_k, GIVEN_UNIFORMS=given,
-                              num_warps=max(1, min(16, BLOCK // 1024)))
+                              token, V, temperature, K=k, KP=KP, TOP_K=top_k, GIVEN_UNIFORMS=given, **_one_row(V))
         return top_logq, rank, token
     BLOCK = min(block, max(16, triton.next_power_of_2(V)))
     NB = triton.cdiv(V, BLOCK)
@@ -256,7 +260,6 @@ def warped_log_probs(x: torch.Tensor, temperature: float, top_k: int, out: torch
     if V > ONE_PROGRAM_VOCAB:
         raise ValueError(f"warped_log_probs takes rows of at most {ONE_PROGRAM_VOCAB} entries, got {V}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    BLOCK = max(16, triton.next_power_of_2(V))
-    draw_row_kernel[(F,)](x, x.stride(0), x, x, out, out.stride(0), x, x, x, V, temperature, K=0, KP=1, BLOCK=BLOCK,
-                          TOP_K=top_k, GIVEN_UNIFORMS=False, num_warps=max(1, min(16, BLOCK // 1024)))
+    draw_row_kernel[(F,)](x, x.stride(0), x, x, out, out.stride(0), x, x, x, V, temperature, K=0, KP=1, TOP_K=top_k,
+                          GIVEN_UNIFORMS=False, **_one_row(V))
     return out

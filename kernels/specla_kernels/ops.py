@@ -163,13 +163,18 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.row_topk_ref(x, k)
 
 
+def _top_k_that_removes(top_k: int, x: torch.Tensor) -> int:
+    """A top-k warper of at least a row's entries keeps every entry, as transformers' does: none (0)."""
+    return 0 if top_k >= x.shape[-1] else top_k
+
+
 def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int,
                   logq_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``k`` children of each row of draft scores ``x [F, V]`` drawn without replacement under the temperature and
     top-k warpers, the warped log-probs written into ``logq_out`` (see ``draw_children_ref``). Fresh randomness each
     call from torch's generator, also inside a CUDA graph: the Triton path reads a seed drawn on the device (Philox in
     the kernel), the reference path uniforms."""
-    top_k = 0 if top_k >= x.shape[-1] else top_k               # keeps every entry, as the warper does
+    top_k = _top_k_that_removes(top_k, x)
     if use_triton(x) and k <= _draw.MAX_DRAWS and (not top_k or x.shape[-1] <= _draw.MAX_THRESHOLD_VOCAB):
         seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
         return _draw.draw_children(x, k, temperature, top_k, logq_out, seed=seed)
@@ -180,7 +185,7 @@ def warped_probs(x: torch.Tensor, temperature: float, top_k: int) -> torch.Tenso
     """Rows of scores ``x [R, V]`` after the temperature and top-k warpers (``top_k`` 0: none), as fp32
     probabilities (see ``warped_scores_ref``): on the Triton path the log-probs in one launch for rows of up to 16K
     entries, then their exponentials; longer rows as torch ops."""
-    top_k = 0 if top_k >= x.shape[-1] else top_k
+    top_k = _top_k_that_removes(top_k, x)
     if use_triton(x) and x.shape[-1] <= _draw.ONE_PROGRAM_VOCAB:
         return _draw.warped_log_probs(x, temperature, top_k, torch.empty(x.shape, dtype=torch.float32,
                                                                           device=x.device)).exp_()
