@@ -1046,15 +1046,17 @@ def test_expand_frontier_matches_reference(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_draw_children_matches_reference(device):
     """Given the same uniforms, the drawn children (tokens exactly; log-probs, sibling ranks and the written log-prob
-    rows to rounding) equal the reference: with and without the top-k warper, temperatures below and above 1, rows
-    drawn by one program (up to ``4 * block`` entries) and by slices, a strided row view, exact score ties at the
-    top-k threshold, a row with -inf entries and a top-k warper keeping fewer entries than the draws (the rest token 0
-    at -inf)."""
+    rows to rounding) equal the reference: with and without the top-k and top-p warpers, temperatures below and above
+    1, rows drawn by one program (up to ``4 * block`` entries; any row under the top-p warper) and by slices, a
+    strided row view, exact score ties at the top-k threshold, a row with -inf entries and warpers keeping fewer
+    entries than the draws (the rest token 0 at -inf)."""
     from specla_kernels.draw import draw_children
     gen = seeded('draw')
     block = 64 if device == "cpu" else 1024
-    for F, V, k, temperature, top_k in [(1, 37, 3, 0.7, 0), (4, 300, 4, 0.7, 50), (3, 2100, 4, 1.0, 5),
-                                        (2, 150, 2, 1.6, 0), (4, 64, 4, 1.3, 2), (2, 5000, 16, 0.9, 64)]:
+    for F, V, k, temperature, top_k, top_p in [
+            (1, 37, 3, 0.7, 0, 1.0), (4, 300, 4, 0.7, 50, 1.0), (3, 2100, 4, 1.0, 5, 1.0), (2, 150, 2, 1.6, 0, 1.0),
+            (4, 64, 4, 1.3, 2, 1.0), (2, 5000, 16, 0.9, 64, 1.0), (3, 200, 4, 0.8, 0, 0.9), (4, 300, 4, 1.2, 30, 0.6),
+            (2, 700, 8, 1.0, 0, 0.05), (2, 9000, 4, 0.7, 20, 0.95)]:
         if device == "cpu" and V > 2100:
             continue
         x = torch.log_softmax(torch.randn(F + 1, V, generator=gen) * 3, -1)
@@ -1062,9 +1064,11 @@ def test_draw_children_matches_reference(device):
         x[-1, :5] = float("-inf")
         rows, u = x[:F].to(device), torch.rand(F, V, generator=gen).to(device)
         got_q, want_q = torch.full_like(rows, float("nan")), torch.empty_like(rows)
-        got = draw_children(rows, k, temperature, top_k, got_q, uniforms=u, block=block, one_program=4 * block)
-        want = ref.draw_children_ref(rows, k, temperature, top_k, want_q, u)
-        case = (F, V, k, temperature, top_k)
+        one_program = max(4 * block, V) if top_p < 1.0 else 4 * block
+        got = draw_children(rows, k, temperature, top_k, got_q, uniforms=u, block=block, one_program=one_program,
+                            top_p=top_p)
+        want = ref.draw_children_ref(rows, k, temperature, top_k, want_q, u, top_p)
+        case = (F, V, k, temperature, top_k, top_p)
         assert torch.equal(got[2], want[2]), case
         for g, w in [(got[0], want[0]), (got[1], want[1]), (got_q, want_q)]:
             assert torch.equal(g.isinf(), w.isinf()) and not g.isnan().any(), case
@@ -1072,31 +1076,68 @@ def test_draw_children_matches_reference(device):
         strided = x.to(device)[:, ::2]
         u = torch.rand(strided.shape, generator=gen).to(device)
         got = draw_children(strided, k, temperature, top_k, torch.empty_like(strided), uniforms=u, block=block,
-                            one_program=4 * block)
-        want = ref.draw_children_ref(strided, k, temperature, top_k, torch.empty_like(strided), u)
+                            one_program=one_program, top_p=top_p)
+        want = ref.draw_children_ref(strided, k, temperature, top_k, torch.empty_like(strided), u, top_p)
         assert torch.equal(got[2], want[2]), (case, "strided")
+    with pytest.raises(ValueError, match="top-p warper to rows of at most"):
+        draw_children(rows, 2, 1.0, 0, got_q, uniforms=u, block=16, one_program=32, top_p=0.9)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_warped_probs_equal_transformers_warpers(device):
-    """``ops.warped_probs`` (one program a row on the Triton path) equals transformers' temperature and top-k warpers
-    then a softmax, on bf16 and fp32 scores: zero exactly where the warper removes an entry (ties at the threshold
-    kept), the rest to rounding; a top-k of the whole row keeps every entry."""
+    """``ops.warped_probs`` (one program a row on the Triton path; over 16K entries torch, the nucleus among the
+    top-k survivors) equals transformers' temperature, top-k and top-p warpers then a softmax, on bf16 and fp32
+    scores: zero exactly where a warper removes an entry (ties at the top-k threshold kept), the rest to rounding; a
+    top-k of the whole row keeps every entry. (Ties at the nucleus's edge: the next test.)"""
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper)
+                                                        TopKLogitsWarper, TopPLogitsWarper)
     gen = seeded('warp')
-    for R, V, temperature, top_k, dtype in [(1, 37, 0.7, 0, torch.float32), (5, 300, 0.7, 50, torch.bfloat16),
-                                            (3, 2100, 1.3, 5, torch.float32), (2, 64, 1.0, 64, torch.bfloat16)]:
+    for R, V, temperature, top_k, top_p, dtype in [
+            (1, 37, 0.7, 0, 1.0, torch.float32), (5, 300, 0.7, 50, 1.0, torch.bfloat16),
+            (3, 2100, 1.3, 5, 1.0, torch.float32), (2, 64, 1.0, 64, 1.0, torch.bfloat16),
+            (4, 300, 0.7, 0, 0.9, torch.float32), (3, 500, 1.0, 40, 0.8, torch.float32),
+            (2, 20000, 0.6, 20, 0.95, torch.float32), (2, 20000, 1.0, 0, 0.7, torch.float32)]:
+        if device == "cpu" and V > 2100 and os.environ.get("TRITON_INTERPRET") == "1":
+            continue
+        ties = top_p == 1.0
         x = torch.randn(R, V, generator=gen) * 3
-        x[0, ::7] = x[0, 3]                                   # ties, some at the top-k threshold
+        if ties:
+            x[0, ::7] = x[0, 3]                               # ties, some at the top-k threshold
         x = x.to(dtype).to(device)
         warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)] +
-                                      ([TopKLogitsWarper(top_k)] if top_k else []))
+                                      ([TopKLogitsWarper(top_k)] if top_k else []) +
+                                      ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
         want = warpers(torch.empty(R, 0, dtype=torch.long), x.float().cpu()).softmax(-1)
-        got = ops.warped_probs(x, temperature, top_k).cpu()
-        case = (R, V, temperature, top_k, dtype)
+        got = ops.warped_probs(x, temperature, top_k, top_p).cpu()
+        case = (R, V, temperature, top_k, top_p, dtype)
         assert got.dtype == torch.float32 and torch.equal(got == 0, want == 0), case
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), case
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nucleus_with_ties_equals_reference(device):
+    """The top-p warper where equal scores straddle the nucleus's edge, which a stable sort resolves lower index
+    first (``nucleus_mask_ref``): random rows of a few distinct scores, random top-p and top-k, through the torch form
+    for long rows (``ops.warped_scores``) and ``ops.warped_probs`` (the row kernel on the Triton path): exactly the
+    reference's entries kept. The reference keeps what transformers' warper keeps where the order of ties is not at
+    stake."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+    gen = seeded('nucleus')
+    for i in range(40):
+        R, V = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(5, 400, (1,), generator=gen))
+        top_k = [0, int(torch.randint(1, min(V, 60) + 1, (1,), generator=gen))][i % 2]
+        top_p, temperature = float(torch.rand((), generator=gen)), 0.5 + float(torch.rand((), generator=gen))
+        x = torch.randint(0, 6, (R, V), generator=gen).float()
+        want = ref.warped_scores_ref(x, temperature, top_k, top_p)
+        case = (R, V, top_k, top_p)
+        assert torch.equal(ops.warped_scores(x.to(device), temperature, top_k, top_p).cpu(), want), case
+        got = ops.warped_probs(x.to(device), temperature, top_k, top_p).cpu()
+        assert torch.equal(got == 0, want == float("-inf")), case
+        assert torch.allclose(got, want.softmax(-1), atol=1e-6), case
+    distinct = torch.randn(3, 300, generator=gen)
+    for top_p in (0.0, 0.3, 0.9, 0.999):
+        hf = TopPLogitsWarper(top_p)(torch.empty(3, 0, dtype=torch.long), distinct.clone())
+        assert torch.equal(ref.warped_scores_ref(distinct, 1.0, 0, top_p), hf), top_p
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -145,10 +145,41 @@ def _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, toke
 
 
 @triton.jit
-def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank, token, V, temperature,
+def _nucleus(s, cols, top_p, INDEX_STEPS: tl.constexpr):
+    """A whole row's scaled scores ``s`` (``-inf`` where removed) after the top-p warper (``nucleus_mask_ref``):
+    the smallest order key ``t`` whose mass at or below it exceeds the ``1 - top_p`` cut, by bisection (32 passes),
+    then, among the entries tied at ``t`` in index order, the last one whose running sum stays within the cut (one
+    pass per bit of the index). Kept: keys above ``t``, tied entries after that one, and the row's last entry in
+    ascending order (the largest, at the highest index)."""
+    top = tl.max(s, 0)
+    p = tl.exp(s - top)                                       # unnormalised: the cut scales with the sum instead
+    cut = (1. - top_p) * tl.sum(p, 0)
+    key = _order_keys(s)
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        over = tl.sum(tl.where(key <= mid.to(tl.int32), p, 0.), 0) > cut
+        lo, hi = tl.where(over, lo, mid + 1), tl.where(over, mid, hi)
+    t = lo.to(tl.int32)
+    below = tl.sum(tl.where(key < t, p, 0.), 0)
+    tie_p = tl.where(key == t, p, 0.)
+    lo_i = tl.full([], -1, tl.int32)
+    hi_i = tl.full([], (1 << (INDEX_STEPS - 1)) - 1, tl.int32)
+    for _ in range(INDEX_STEPS):
+        mid_i = lo_i + (hi_i - lo_i + 1) // 2
+        within = below + tl.sum(tl.where(cols <= mid_i, tie_p, 0.), 0) <= cut
+        lo_i, hi_i = tl.where(within, mid_i, lo_i), tl.where(within, hi_i, mid_i - 1)
+    last = tl.max(tl.where(s == top, cols, -1), 0)
+    kept = (key > t) | ((key == t) & (cols > lo_i)) | (cols == last)
+    return tl.where(kept, s, float("-inf"))
+
+
+@triton.jit
+def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank, token, V, temperature, top_p,
                     K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                    GIVEN_UNIFORMS: tl.constexpr):
-    # a whole row in one program (module docstring): threshold, normaliser, keys, draws, the log-prob row
+                    TOP_P: tl.constexpr, INDEX_STEPS: tl.constexpr, GIVEN_UNIFORMS: tl.constexpr):
+    # a whole row in one program (module docstring): thresholds, normaliser, keys, draws, the log-prob row
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     s = _scaled(x, stride_x, row, cols, V, temperature)
@@ -160,6 +191,8 @@ def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank,
             mid = lo + (hi - lo + 1) // 2
             lo, hi = _halve(lo, hi, mid, tl.sum(((key >= mid.to(tl.int32)) & (cols < V)).to(tl.int32), 0), TOP_K)
         s = tl.where(s >= _key_score(lo), s, float("-inf"))
+    if TOP_P:
+        s = _nucleus(s, cols, top_p, INDEX_STEPS)
     top = tl.max(s, 0)
     norm = top + tl.log(tl.sum(tl.exp(s - top), 0))
     tl.store(logq + row.to(tl.int64) * stride_q + cols, s - norm, mask=cols < V)
@@ -201,19 +234,24 @@ def draw_logq_kernel(x, stride_x, threshold, lse, logq, stride_q, V, temperature
 
 
 def _one_row(V: int) -> dict:
-    """``draw_row_kernel``'s block and warps for rows of ``V`` entries: the whole row, 32 entries a thread at most."""
+    """``draw_row_kernel``'s block and warps for rows of ``V`` entries: the whole row, 32 entries a thread at most
+    (and the index bisection's steps: the block's bits)."""
     BLOCK = max(16, triton.next_power_of_2(V))
-    return dict(BLOCK=BLOCK, num_warps=max(1, min(16, BLOCK // 1024)))
+    return dict(BLOCK=BLOCK, INDEX_STEPS=BLOCK.bit_length(), num_warps=max(1, min(16, BLOCK // 1024)))
 
 
 def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
                   seed: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
-                  block: int = 1024, one_program: int = ONE_PROGRAM_VOCAB
+                  block: int = 1024, one_program: int = ONE_PROGRAM_VOCAB, top_p: float = 1.0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``draw_children_ref``: the uniforms come from Philox on ``seed`` (an int64 device tensor of
     one element, drawn fresh each call) unless ``uniforms [F, V]`` are given (tests). Rows of at most
-    ``one_program`` entries take one program each, longer ones slices of ``block`` entries (tests take both)."""
+    ``one_program`` entries take one program each, longer ones slices of ``block`` entries (tests take both); the
+    top-p warper needs the whole row in one program."""
     F, V = x.shape
+    if top_p < 1.0 and V > one_program:
+        raise ValueError(f"draw_children applies the top-p warper to rows of at most {one_program} entries, got {V}: "
+                         "warp longer rows first (ops.warped_scores) and draw with temperature 1 and no warpers")
     x = x if x.stride(-1) == 1 else x.contiguous()
     KP = triton.next_power_of_2(k)
     dev, f32 = x.device, torch.float32
@@ -224,7 +262,8 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     if V <= one_program:
         draw_row_kernel[(F,)](x, x.stride(0), uniforms.contiguous() if given else x,
                               seed if seed is not None else token, logq_out, logq_out.stride(0), top_logq, rank,
-                              token, V, temperature, K=k, KP=KP, TOP_K=top_k, GIVEN_UNIFORMS=given, **_one_row(V))
+                              token, V, temperature, top_p, K=k, KP=KP, TOP_K=top_k, TOP_P=top_p < 1.0,
+                              GIVEN_UNIFORMS=given, **_one_row(V))
         return top_logq, rank, token
     BLOCK = min(block, max(16, triton.next_power_of_2(V)))
     NB = triton.cdiv(V, BLOCK)
@@ -253,13 +292,14 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     return top_logq, rank, token
 
 
-def warped_log_probs(x: torch.Tensor, temperature: float, top_k: int, out: torch.Tensor) -> torch.Tensor:
-    """``out = log_softmax(warped_scores_ref(x, temperature, top_k))`` for rows of at most ``ONE_PROGRAM_VOCAB``
-    entries: ``draw_row_kernel`` without draws, one program a row; returns ``out``."""
+def warped_log_probs(x: torch.Tensor, temperature: float, top_k: int, out: torch.Tensor,
+                     top_p: float = 1.0) -> torch.Tensor:
+    """``out = log_softmax(warped_scores_ref(x, temperature, top_k, top_p))`` for rows of at most
+    ``ONE_PROGRAM_VOCAB`` entries: ``draw_row_kernel`` without draws, one program a row; returns ``out``."""
     F, V = x.shape
     if V > ONE_PROGRAM_VOCAB:
         raise ValueError(f"warped_log_probs takes rows of at most {ONE_PROGRAM_VOCAB} entries, got {V}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    draw_row_kernel[(F,)](x, x.stride(0), x, x, out, out.stride(0), x, x, x, V, temperature, K=0, KP=1, TOP_K=top_k,
-                          GIVEN_UNIFORMS=False, **_one_row(V))
+    draw_row_kernel[(F,)](x, x.stride(0), x, x, out, out.stride(0), x, x, x, V, temperature, top_p, K=0, KP=1,
+                          TOP_K=top_k, TOP_P=top_p < 1.0, GIVEN_UNIFORMS=False, **_one_row(V))
     return out

@@ -168,28 +168,66 @@ def _top_k_that_removes(top_k: int, x: torch.Tensor) -> int:
     return 0 if top_k >= x.shape[-1] else top_k
 
 
-def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int,
-                  logq_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k`` children of each row of draft scores ``x [F, V]`` drawn without replacement under the temperature and
-    top-k warpers, the warped log-probs written into ``logq_out`` (see ``draw_children_ref``). Fresh randomness each
-    call from torch's generator, also inside a CUDA graph: the Triton path reads a seed drawn on the device (Philox in
-    the kernel), the reference path uniforms."""
+def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
+                  top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k`` children of each row of draft scores ``x [F, V]`` drawn without replacement under the temperature, top-k
+    and top-p warpers, the warped log-probs written into ``logq_out`` (see ``draw_children_ref``). Fresh randomness
+    each call from torch's generator, also inside a CUDA graph: the Triton path reads a seed drawn on the device
+    (Philox in the kernel), the reference path uniforms. Rows too long for one program take the top-p warper in
+    torch (``warped_scores``) and the kernels' draws from its output."""
     top_k = _top_k_that_removes(top_k, x)
-    if use_triton(x) and k <= _draw.MAX_DRAWS and (not top_k or x.shape[-1] <= _draw.MAX_THRESHOLD_VOCAB):
-        seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
-        return _draw.draw_children(x, k, temperature, top_k, logq_out, seed=seed)
-    return reference.draw_children_ref(x, k, temperature, top_k, logq_out, torch.empty_like(x).uniform_())
+    if use_triton(x) and k <= _draw.MAX_DRAWS:
+        if top_p < 1.0 and x.shape[-1] > _draw.ONE_PROGRAM_VOCAB:
+            x, temperature, top_k, top_p = warped_scores(x, temperature, top_k, top_p), 1.0, 0, 1.0
+        if not top_k or x.shape[-1] <= _draw.MAX_THRESHOLD_VOCAB:
+            seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
+            return _draw.draw_children(x, k, temperature, top_k, logq_out, seed=seed, top_p=top_p)
+    return reference.draw_children_ref(x, k, temperature, top_k, logq_out, torch.empty_like(x).uniform_(), top_p)
 
 
-def warped_probs(x: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """Rows of scores ``x [R, V]`` after the temperature and top-k warpers (``top_k`` 0: none), as fp32
-    probabilities (see ``warped_scores_ref``): on the Triton path the log-probs in one launch for rows of up to 16K
-    entries, then their exponentials; longer rows as torch ops."""
+def warped_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0) -> torch.Tensor:
+    """Rows of scores ``x [R, V]`` after the temperature, top-k and top-p warpers (``top_k`` 0, ``top_p`` 1: none)
+    as fp32 probabilities (see ``warped_scores_ref``): on the Triton path the log-probs in one launch for rows of up
+    to 16K entries, then their exponentials; longer rows as torch ops (``warped_scores``)."""
     top_k = _top_k_that_removes(top_k, x)
     if use_triton(x) and x.shape[-1] <= _draw.ONE_PROGRAM_VOCAB:
         return _draw.warped_log_probs(x, temperature, top_k, torch.empty(x.shape, dtype=torch.float32,
-                                                                          device=x.device)).exp_()
-    return torch.softmax(reference.warped_scores_ref(x, temperature, top_k), -1)
+                                                                          device=x.device), top_p).exp_()
+    return torch.softmax(warped_scores(x, temperature, top_k, top_p), -1)
+
+
+def warped_scores(x: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0) -> torch.Tensor:
+    """``warped_scores_ref`` as torch ops for rows no kernel takes whole. With a top-k warper before the top-p one
+    the nucleus is found among the ``top_k`` survivors alone, without transformers' sort of the whole row (at a
+    248K vocabulary the costliest op of a sampled step's tail)."""
+    top_k = _top_k_that_removes(top_k, x)
+    if top_p >= 1.0 or not top_k:
+        return reference.warped_scores_ref(x, temperature, top_k, top_p)
+    s = x.float() / temperature
+    values, index = torch.topk(s, top_k, -1)
+    kth = values[:, -1:]
+    s = s.masked_fill(s < kth, float("-inf"))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    cut = 1.0 - top_p
+    # the survivors tied at the lowest kept score (more than topk returned, where ties reach past it) come first in
+    # ascending order, lowest index first: the j-th of them has summed j of their probability
+    at_kth = s == kth
+    tied_rank = at_kth.cumsum(-1)
+    n_kth = tied_rank[:, -1:]
+    p_kth = (kth - lse).exp()
+    all_tied = values[:, :1] == kth                      # then the last of them is the row's last: kept
+    remove = at_kth & (tied_rank * p_kth <= cut) & ((tied_rank < n_kth) | ~all_tied)
+    # the survivors above them are all among topk's values: in ascending (score, index) order
+    by_index = index.sort(-1)
+    values, index = values.gather(-1, by_index.indices), by_index.values
+    ascending = values.sort(dim=-1, stable=True)
+    values, index = ascending.values, index.gather(-1, ascending.indices)
+    above = values > kth
+    running = n_kth * p_kth + torch.where(above, (values - lse).exp(), 0.).cumsum(-1)
+    gone = above & (running <= cut)
+    gone[:, -1] = False
+    remove = remove.scatter(-1, index, gone | remove.gather(-1, index))
+    return s.masked_fill(remove, float("-inf"))
 
 
 def expand_frontier(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,

@@ -289,24 +289,39 @@ def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[:, :k], indices[:, :k]
 
 
-def warped_scores_ref(x: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """Each row of scores ``x [F, V]`` after transformers' ``TemperatureLogitsWarper`` and ``TopKLogitsWarper``
-    (``top_k`` 0: none; entries below the ``top_k``-th largest become ``-inf``), fp32."""
+def warped_scores_ref(x: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0) -> torch.Tensor:
+    """Each row of scores ``x [F, V]`` after transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (``top_k``
+    0: none; entries below the ``top_k``-th largest become ``-inf``) and ``TopPLogitsWarper`` (``top_p`` 1: none;
+    ``nucleus_mask_ref``), in that order, fp32."""
     s = x.float() / temperature
     if top_k:
         s = s.masked_fill(s < torch.topk(s, top_k, -1).values[:, -1:], float("-inf"))
+    if top_p < 1.0:
+        s = s.masked_fill(~nucleus_mask_ref(s, top_p), float("-inf"))
     return s
 
 
+def nucleus_mask_ref(s: torch.Tensor, top_p: float) -> torch.Tensor:
+    """What transformers' ``TopPLogitsWarper`` (one token kept at least) keeps of each row of scores ``s [F, V]``:
+    in ascending order of score, an entry whose probability summed with every entry before it is at most
+    ``1 - top_p`` is removed; the last entry is always kept. Equal scores are ordered by index, as a stable sort
+    orders them (transformers' ``torch.sort`` leaves their order to the implementation: unstable on the CPU), so the
+    lower indices of a tie go first."""
+    ordered, order = torch.sort(s, dim=-1, stable=True)
+    kept_sorted = ordered.softmax(-1).cumsum(-1) > 1 - top_p
+    kept_sorted[:, -1] = True
+    return kept_sorted.scatter(-1, order, kept_sorted)
+
+
 def draw_children_ref(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
-                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k`` children of each row of scores ``x [F, V]`` (fp32) drawn without replacement under the temperature and
-    top-k warpers (transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``; ``top_k`` 0: none), by Gumbel
+                      uniforms: torch.Tensor, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k`` children of each row of scores ``x [F, V]`` (fp32) drawn without replacement under the temperature, top-k
+    and top-p warpers (``warped_scores_ref``; ``top_k`` 0, ``top_p`` 1: none), by Gumbel
     keys from ``uniforms [F, V]`` in [0, 1). Writes the warped log-probs ``q`` into ``logq_out [F, V]`` (``-inf``
     where the top-k warper removed an entry) and returns, in draw order, the draws' log-probs, their sibling ranks (the
     log of the mass each draw was made from, floored at its own log-prob, falling; fp64 arithmetic) and tokens, all
     ``[F, k]``. Where fewer than ``k`` entries can be drawn the rest are token 0 at log-prob and rank ``-inf``."""
-    s = warped_scores_ref(x, temperature, top_k)
+    s = warped_scores_ref(x, temperature, top_k, top_p)
     logq = s - torch.logsumexp(s, -1, keepdim=True)
     logq_out.copy_(logq)
     exp1 = (-torch.log(1 - uniforms.float())).clamp(min=torch.finfo(torch.float32).tiny)
