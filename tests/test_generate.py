@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper
-from transformers import MaxLengthCriteria, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper
+from transformers import MaxLengthCriteria, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import CollectStreamer, tiny_gdn
 from specla_hf import GDNDrafter, GDNRunner, speculative_decode
@@ -195,19 +195,21 @@ def test_generate_samples_through_the_same_loop(target, bad_drafter):
         assert torch.equal(via_generate, direct), ids
 
 
-@pytest.mark.parametrize("tree, acceptance, sampled", [(False, "device", True), (True, "device", True),
-                                                       (False, "host", True), (True, "host", True),
-                                                       (True, "host", False)])
-def test_sampling_is_lossless(tree, acceptance, sampled):
+@pytest.mark.parametrize("tree, acceptance, sampled, top_p", [
+    (False, "device", True, 1.0), (True, "device", True, 1.0), (True, "device", True, 0.85),
+    (False, "host", True, 1.0), (True, "host", True, 1.0), (True, "host", False, 1.0)])
+def test_sampling_is_lossless(tree, acceptance, sampled, top_p):
     """5000 draws of (x1, x2) on a vocabulary of 8: the test detects a 2% shift of probability mass (see below).
-    Temperature and top-k treat each row alone: the device loop accepts (``sample_accept``); a repetition penalty
-    reads each node's sequence: the host walks the tree (``accept_path``). Drafts sampled from the drafter (the
-    default) and drafts of highest log-prob (``sampled_drafts=False``; on the device, the rule's own test below)."""
+    Temperature, top-k and top-p treat each row alone: the device loop accepts (``sample_accept``); a repetition
+    penalty reads each node's sequence: the host walks the tree (``accept_path``). Drafts sampled from the drafter
+    (the default) and drafts of highest log-prob (``sampled_drafts=False``; on the device, the rule's own test
+    below)."""
     torch.manual_seed(1234)
     target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
     drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
     ids = torch.tensor([[1, 5, 2]])
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)]
+                                + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
                                 + ([RepetitionPenaltyLogitsProcessor(1.5)] if acceptance == "host" else []))
     p1, p2 = _exact_first_two(target, ids, procs)
     options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0,
@@ -216,12 +218,11 @@ def test_sampling_is_lossless(tree, acceptance, sampled):
     assert where == {acceptance}
     assert _chisq_pvalue(c1, p1) > 1e-3
     assert _chisq_pvalue(c12, (p1[:, None] * p2).flatten()) > 1e-3
-    # power: moving 2% of the mass between two likely tokens must be caught at this sample size
-    biased = p1.clone()
+    # power: moving 2% of the mass between two likely tokens must be caught at this sample size (2.5% under top-p,
+    # whose nucleus leaves fewer, likelier tokens)
+    shift = 0.02 if top_p == 1.0 else 0.025
     a, b = p1.topk(2).indices
-    biased[a] -= 0.02
-    biased[b] += 0.02
-    expected_stat = 5000 * ((0.02 ** 2) / p1[a] + (0.02 ** 2) / p1[b])
+    expected_stat = 5000 * (shift ** 2 / p1[a] + shift ** 2 / p1[b])
     assert expected_stat > 20          # chi-square noncentrality well past the 1e-3 critical value (~24 at df 7)
 
 
@@ -246,14 +247,17 @@ def test_sampled_drafts_from_the_targets_own_law_are_accepted(target, acceptance
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_sampling_is_lossless_on_cuda():
+@pytest.mark.parametrize("top_p", [1.0, 0.85])
+def test_sampling_is_lossless_on_cuda(top_p):
     """The device loop's sampling as the GPU runs it: the acceptance, its random draws and the drafter's catch-up in
-    one CUDA graph per tree bucket, replayed (each replay draws afresh); 3000 draws, fp32, as on CPU."""
+    one CUDA graph per tree bucket, replayed (each replay draws afresh); the warpers in the row kernel, with and
+    without top-p; 3000 draws, fp32, as on CPU."""
     torch.manual_seed(1234)
     target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8).cuda()
     drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1).cuda()
     ids = torch.tensor([[1, 5, 2]], device="cuda")
-    procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)])
+    procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)]
+                                + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
     p1, p2 = _exact_first_two(target, ids, procs)
     options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
     runner = GDNRunner(target)

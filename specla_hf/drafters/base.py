@@ -306,7 +306,7 @@ class DynamicTreeDrafter:
         highest draft log-prob are accepted with the target's probability of each. ``None`` (greedy decoding, or a
         drafter that cannot, ``samples_drafts``): the ``topk`` children of highest draft log-prob."""
         self.draft_sampling = processors if self.samples_drafts else None
-        # temperature and top-k alone: warped inside ``ops.draw_children`` (other processors run in torch first)
+        # temperature, top-k and top-p alone: warped inside ``ops.draw_children`` (others run in torch first)
         self._warpers = (None if self.draft_sampling is None
                          else kernel_warpers(self.draft_sampling, self.options.topk))
         self._sampling_key = (None if self.draft_sampling is None
@@ -358,7 +358,8 @@ class DynamicTreeDrafter:
             return top_logp, top_logp, top_token
         rows = self.buffers.node_logq_rows(logp.shape[-1])[first:first + logp.shape[0]]
         if self._warpers is not None:
-            return ops.draw_children(logp, k, *self._warpers, rows)
+            temperature, top_k, top_p = self._warpers
+            return ops.draw_children(logp, k, temperature, top_k, rows, top_p)
         no_context = torch.empty(logp.shape[0], 0, dtype=torch.long, device=logp.device)
         return ops.draw_children(self.draft_sampling(no_context, logp.float()), k, 1.0, 0, rows)
 

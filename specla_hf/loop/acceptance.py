@@ -11,6 +11,7 @@ follow the target's law.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
@@ -36,27 +37,40 @@ def row_wise_probs(logits_processor: LogitsProcessorList, logits: torch.Tensor) 
     return logits_processor(empty, logits.float()).softmax(-1)
 
 
-def kernel_warpers(processors: LogitsProcessorList, draws: int = 1) -> tuple[float, int] | None:
-    """``(temperature, top_k)`` (top_k 0: none) when ``processors`` are transformers' temperature and top-k warpers
-    alone, at most one of each, keeping at least ``draws`` entries (``ops.draw_children``'s children), and the
-    tuning applies them in the kernels (``KernelTuning.draw_warpers``); else ``None``."""
+class Warpers(NamedTuple):
+    """Transformers' temperature, top-k and top-p warpers as the kernels take them (``top_k`` 0, ``top_p`` 1: none)."""
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+def kernel_warpers(processors: LogitsProcessorList, draws: int = 1) -> Warpers | None:
+    """``processors`` as ``Warpers`` when they are transformers' temperature, top-k and top-p warpers alone, at most
+    one of each, the top-p one last and keeping one token at least (generate's), the top-k one keeping at least
+    ``draws`` entries (``ops.draw_children``'s children), and the tuning applies them in the kernels
+    (``KernelTuning.draw_warpers``); else ``None``. (Temperature and top-k commute; top-p does with neither.)"""
     if not tuning.active().draw_warpers:
         return None
-    temperature, top_k = 1.0, 0
+    temperature, top_k, top_p = 1.0, 0, 1.0
     for p in processors:
+        if top_p < 1.0 or p.__dict__.get("filter_value", float("-inf")) != float("-inf"):
+            return None
         if type(p) is TemperatureLogitsWarper and temperature == 1.0:
             temperature = float(p.temperature)
-        elif type(p) is TopKLogitsWarper and not top_k and p.filter_value == float("-inf"):
+        elif type(p) is TopKLogitsWarper and not top_k:
             top_k = p.top_k
+        elif type(p) is TopPLogitsWarper and p.min_tokens_to_keep == 1 and p.top_p < 1.0:
+            top_p = float(p.top_p)
         else:
             return None
-    return (temperature, top_k) if top_k == 0 or top_k >= draws else None
+    return Warpers(temperature, top_k, top_p) if top_k == 0 or top_k >= draws else None
 
 
 def tree_probs(logits_processor: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
-    """``row_wise_probs`` of a verified tree's rows: under the temperature and top-k warpers alone
-    ``ops.warped_probs`` (two launches at vocabularies up to 16K). (The autoregressive step keeps
-    ``row_wise_probs``, whose rounding stock ``generate``'s draws match.)"""
+    """``row_wise_probs`` of a verified tree's rows: under the temperature, top-k and top-p warpers alone
+    ``ops.warped_probs`` (two launches at vocabularies up to 16K; longer rows find the nucleus among the top-k
+    survivors without sorting the row). (The autoregressive step keeps ``row_wise_probs``, whose rounding stock
+    ``generate``'s draws match.)"""
     warpers = kernel_warpers(logits_processor)
     if warpers is None:
         return row_wise_probs(logits_processor, logits)
