@@ -121,9 +121,9 @@ def add_tuning_options(ap: argparse.ArgumentParser) -> None:
                     help="verified trees of up to this many nodes through fused_gemm (tuning's "
                          "fused_verify_max_nodes; 0: cuBLAS GEMMs)")
     ap.add_argument("--warpers-in-torch", action="store_true",
-                    help="sampling: the temperature / top-k warpers in torch (before ops.draw_children for the "
-                         "drafter's children, transformers' processors for the target's tree rows) instead of "
-                         "inside the kernels")
+                    help="sampling: the temperature / top-k / top-p warpers in torch (before ops.draw_children "
+                         "for the drafter's children, transformers' processors for the target's tree rows) instead "
+                         "of inside the kernels")
 
 
 def tuning_changes(args) -> dict:
@@ -200,6 +200,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--noise", default="0,1,2,3,4,6,9", help="noise scales on the drafter's logits (\"\": none)")
     ap.add_argument("--temperatures", default="0.7,1.0")
+    ap.add_argument("--top-k", type=int, help="sampling: top-k warper (default: the generation config's, 50)")
+    ap.add_argument("--top-p", type=float, help="sampling: top-p warper (default: none; Qwen's configs: 0.95)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--stock-prompts", type=int, default=2, help="prompts timed with stock generate (it is slow)")
     ap.add_argument("--shape", choices=["1.3b", "trained"], default="1.3b",
@@ -236,11 +238,12 @@ def measure(args) -> None:
     ids_list = [tok(t, return_tensors="pt").input_ids[:, :256].to(args.device)
                 for t in prompts(args.eval_dir, args.per_set)]
     n = args.max_new_tokens
+    sampling = {k: v for k, v in dict(top_k=args.top_k, top_p=args.top_p).items() if v is not None}
     noise = DraftNoise(torch.device(args.device))
     shape = "gdn-1.3b" if args.shape == "1.3b" else "gdn-12.6m"
     meta = {"model_shape": shape, "params": sum(p.numel() for p in target.parameters()),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": dtype,
-            "prompts": len(ids_list), "max_new_tokens": n, **tuning_changes(args),
+            "prompts": len(ids_list), "max_new_tokens": n, **tuning_changes(args), "sampling_warpers": sampling,
             "weights": ("trained 12.6M GDN inflated function-preservingly to fla's 1.3B shape" if args.shape == "1.3b"
                         else "the trained 12.6M GDN")}
     log(meta)
@@ -250,14 +253,14 @@ def measure(args) -> None:
             **kw)
     for temp in map(float, args.temperatures.split(",")):
         run(target, ids_list[:1], 16, do_sample=True, temperature=temp, assistant_model=eagle,
-            autoregressive_fallback=False, tree=True)
-        run(target, ids_list[:1], 16, do_sample=True, temperature=temp, specla=True)   # its one-token graphs
+            autoregressive_fallback=False, tree=True, **sampling)
+        run(target, ids_list[:1], 16, do_sample=True, temperature=temp, specla=True, **sampling)   # its graphs
     autoregressive_decode(adapter_for(target), ids_list[0], 32)
     run(target, ids_list[:1], 4, do_sample=False)
     log("warm-up done")
 
     def ar_ms(sample: bool, temperature: float = 1.0) -> float:
-        extra = dict(do_sample=True, temperature=temperature) if sample else dict(do_sample=False)
+        extra = dict(do_sample=True, temperature=temperature, **sampling) if sample else dict(do_sample=False)
         return run(target, ids_list, n, specla=True, **extra)[0]
     ar = {None: ar_ms(False)}
     stock_ms = run(target, ids_list[:args.stock_prompts], n, do_sample=False)[0]
@@ -311,7 +314,7 @@ def measure(args) -> None:
         for method in args.methods.split(","):
             drafter, kw = METHODS[method]
             for fallback in ((False, True) if method == "tree" else (False,)):
-                ms, stats = timed(target, ids_list, n, seed=1, do_sample=True, temperature=temp,
+                ms, stats = timed(target, ids_list, n, seed=1, do_sample=True, temperature=temp, **sampling,
                                   assistant_model=drafters[drafter], autoregressive_fallback=fallback, **kw)
                 record(method, 0.0, temp, ms, stats, fallback)
         (args.out / "acceptance_curve.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))

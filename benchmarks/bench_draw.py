@@ -8,9 +8,15 @@ vocabulary, 4 children a row, temperature 0.7 under transformers' default top-k 
 - ``draw_no_top_k``: the call without the top-k warper: its three other launches and the seed (the difference is
   the top-k threshold's launch);
 - ``torch_warpers``: the warpers in torch, then the kernels at temperature 1 (the path of other processors);
-- ``greedy_topk``: a greedy depth's ``ops.row_topk`` of the same rows.
-``--baseline FILE``: the same rows for another version of ``draw.py`` (e.g. ``git show REV:kernels/specla_kernels/
-draw.py > FILE``), alternated with the current one. Writes ``--out/bench_draw.json``; a table last.
+- ``greedy_topk``: a greedy depth's ``ops.row_topk`` of the same rows;
+- ``top_p`` / ``torch_top_p``: Qwen's sampling settings (temperature 0.7, top-k 20, top-p 0.95) through
+  ``ops.draw_children`` (the row kernel at 8192 entries; at 32K the nucleus among the top-k survivors in torch, then
+  the kernels) against transformers' warpers in torch, then the kernels (current version only).
+The target's side of a sampled step, a verified tree's warped probabilities (``ops.warped_probs`` against
+transformers' warpers and a softmax, ``torch_``), at 64 nodes of 8192 entries (the 1.3B GDN shape) and of 248,320
+(Qwen3.5), with and without top-p. ``--baseline FILE``: the same draft rows for another version of ``draw.py`` (e.g.
+``git show REV:kernels/specla_kernels/draw.py > FILE``), alternated with the current one. Writes
+``--out/bench_draw.json``; tables last.
 
     python benchmarks/bench_draw.py --out OUT [--baseline FILE]
 """
@@ -24,7 +30,7 @@ from pathlib import Path
 
 import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper)
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import bench_graph  # noqa: E402
@@ -35,6 +41,8 @@ from specla_kernels import ops  # noqa: E402
 REPEAT = 10          # calls a graph holds: the replay's own launch cost is spread over them
 SHAPES = [(1, 8192), (4, 8192), (1, 32768), (4, 32768)]      # (frontier rows, vocabulary)
 K, TEMPERATURE, TOP_K = 4, 0.7, 50
+QWEN_TOP_K, QWEN_TOP_P = 20, 0.95
+TARGET_SHAPES = [(64, 8192), (64, 248320)]                   # (verified nodes, vocabulary)
 
 
 def per_call_us(fn) -> float:
@@ -68,6 +76,41 @@ def rows_for(module, logp: torch.Tensor) -> dict:
     }
 
 
+def warpers_of(top_k: int, top_p: float = 1.0) -> LogitsProcessorList:
+    return LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(top_k)]
+                               + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
+
+
+def top_p_rows(logp: torch.Tensor) -> dict:
+    """The current draws under Qwen's settings, through ``ops`` and through transformers' warpers."""
+    logq = torch.empty_like(logp)
+    warpers = warpers_of(QWEN_TOP_K, QWEN_TOP_P)
+    no_context = torch.empty(logp.shape[0], 0, dtype=torch.long, device=logp.device)
+    return {"top_p": lambda: ops.draw_children(logp, K, TEMPERATURE, QWEN_TOP_K, logq, QWEN_TOP_P),
+            "torch_top_p": lambda: ops.draw_children(warpers(no_context, logp.float()), K, 1.0, 0, logq)}
+
+
+def target_record(R: int, V: int, gen: torch.Generator) -> dict:
+    """A verified tree's warped probabilities, ``ops.warped_probs`` against transformers' warpers and a softmax."""
+    logits = (torch.randn(R, V, generator=gen) * 3).cuda()
+    no_context = torch.empty(R, 0, dtype=torch.long, device="cuda")
+    record = dict(nodes=R, vocab=V, temperature=TEMPERATURE)
+    for top_k, top_p in [(TOP_K, 1.0), (QWEN_TOP_K, QWEN_TOP_P)]:
+        warpers = warpers_of(top_k, top_p)
+        name = f"top_k{top_k}" + (f"_top_p{top_p}" if top_p < 1.0 else "")
+        record[f"{name}_us"] = round(per_call_us(lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p)), 2)
+        record[f"torch_{name}_us"] = round(per_call_us(lambda: warpers(no_context, logits.float()).softmax(-1)), 2)
+    return record
+
+
+def table(records: list[dict], first: str) -> None:
+    names = sorted({k[:-3] for r in records for k in r if k.endswith("_us")})
+    print("\n| " + first + " | " + " | ".join(names) + " |")
+    for r in records:
+        cells = [str(min(r[f"{n}_us"])) if isinstance(r[f"{n}_us"], list) else f"{r[f'{n}_us']:.2f}" for n in names]
+        print(f"| {' x '.join(str(v) for v in list(r.values())[:2])} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -78,7 +121,11 @@ def main() -> None:
     if args.baseline:
         versions["baseline"] = load_version(args.baseline)
     gen = torch.Generator().manual_seed(0)
-    records = []
+    records, targets = [], []
+
+    def write():
+        (args.out / "bench_draw.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
+                                                                  records=records, targets=targets), indent=1))
     for F, V in SHAPES:
         logp = torch.log_softmax(torch.randn(F, V, generator=gen) * 3, -1).cuda()
         record = dict(frontier_rows=F, vocab=V, children=K, temperature=TEMPERATURE, top_k=TOP_K,
@@ -87,16 +134,17 @@ def main() -> None:
             for name, module in versions.items():
                 for op, fn in rows_for(module, logp).items():
                     record.setdefault(f"{name}_{op}_us", []).append(round(per_call_us(fn), 2))
+        for op, fn in top_p_rows(logp).items():
+            record[f"current_{op}_us"] = round(per_call_us(fn), 2)
         records.append(record)
         print(json.dumps(record), flush=True)
-        (args.out / "bench_draw.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
-                                                                  records=records), indent=1))
-    ops_names = sorted({k[:-3] for r in records for k in r if k.endswith("_us")})
-    print("\n| rows x vocab | " + " | ".join(ops_names) + " |")
-    for r in records:
-        cells = [str(min(r[f"{n}_us"])) if isinstance(r[f"{n}_us"], list) else f"{r[f'{n}_us']:.2f}"
-                 for n in ops_names]
-        print(f"| {r['frontier_rows']} x {r['vocab']} | " + " | ".join(cells) + " |")
+        write()
+    for R, V in TARGET_SHAPES:
+        targets.append(target_record(R, V, gen))
+        print(json.dumps(targets[-1]), flush=True)
+        write()
+    table(records, "rows x vocab")
+    table(targets, "nodes x vocab")
 
 
 if __name__ == "__main__":
