@@ -69,10 +69,10 @@ class KernelTuning:
     # (``torch.nn.attention.SDPBackend`` names, lower case) for the rest; empty: SDPA, torch's choice. On the H200
     # torch's choice for a tree mask is cuDNN's kernel, 117-120 us a call at a 2048-slot cache
     tree_attention_backends: tuple[str, ...] = ("specla",)
-    # sampling under the temperature / top-k warpers alone: the warpers applied inside the kernels, for a drafter's
-    # children (``ops.draw_children``: one launch a depth with the draws at vocabularies up to 16K) and the target's
-    # probabilities over a verified tree (``ops.warped_probs``), instead of in torch (~5 launches more each,
-    # torch.topk's radix select among them)
+    # sampling under the temperature / top-k / top-p warpers alone: the warpers applied inside the kernels, for a
+    # drafter's children (``ops.draw_children``: one launch a depth with the draws at vocabularies up to 16K) and the
+    # target's probabilities over a verified tree (``ops.warped_probs``), instead of in torch (~5 launches more each,
+    # torch.topk's radix select among them, and under top-p a sort of every row)
     draw_warpers: bool = True
 
 
