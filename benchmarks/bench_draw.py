@@ -3,10 +3,9 @@ the torch warpers, launch by launch, as CUDA graph replays (``bench_kernels.benc
 reported per call): the frontier rows of the 1.3B GDN drafter (vocabulary 8192) and of the MTP head's 32K draft
 vocabulary, 4 children a row, temperature 0.7 under transformers' default top-k of 50.
 
-- ``draw``: the whole call as the drafter makes it (the seed drawn on the device, then the kernels: one program a
-  row at 8192 entries, slices at 32K);
-- ``draw_no_top_k``: the call without the top-k warper: its three other launches and the seed (the difference is
-  the top-k threshold's launch);
+- ``draw``: the whole call as the drafter makes it (``ops.draw_children``: the seed drawn on the device, then the
+  kernels: one program a row at 8192 entries; at 32K the warpers in torch, then slices);
+- ``draw_no_top_k``: the call without the top-k warper;
 - ``torch_warpers``: the warpers in torch, then the kernels at temperature 1 (the path of other processors);
 - ``greedy_topk``: a greedy depth's ``ops.row_topk`` of the same rows;
 - ``top_p`` / ``torch_top_p``: Qwen's sampling settings (temperature 0.7, top-k 20, top-p 0.95) through
@@ -35,7 +34,6 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import bench_graph  # noqa: E402
 
-from specla_kernels import draw as draw_module  # noqa: E402
 from specla_kernels import ops  # noqa: E402
 
 REPEAT = 10          # calls a graph holds: the replay's own launch cost is spread over them
@@ -59,20 +57,24 @@ def load_version(path: Path):
     return module
 
 
-def rows_for(module, logp: torch.Tensor) -> dict:
-    """The timed calls of one version of ``draw.py`` on frontier log-probs ``logp``."""
+def module_draw(module):
+    """A version of ``draw.py``'s ``draw_children`` called as ``ops.draw_children`` is, the seed drawn first."""
+    def draw(x, k, temperature, top_k, logq):
+        seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
+        return module.draw_children(x, k, temperature, top_k, logq, seed=seed)
+    return draw
+
+
+def rows_for(draw, logp: torch.Tensor) -> dict:
+    """The timed calls of one ``draw(x, k, temperature, top_k, logq)`` on frontier log-probs ``logp``."""
     F, V = logp.shape
     logq = torch.empty_like(logp)
     warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)])
     no_context = torch.empty(F, 0, dtype=torch.long, device=logp.device)
-
-    def seed():
-        return torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=logp.device)
     return {
-        "draw": lambda: module.draw_children(logp, K, TEMPERATURE, TOP_K, logq, seed=seed()),
-        "draw_no_top_k": lambda: module.draw_children(logp, K, TEMPERATURE, 0, logq, seed=seed()),
-        "torch_warpers": lambda: module.draw_children(warpers(no_context, logp.float()), K, 1.0, 0, logq,
-                                                      seed=seed()),
+        "draw": lambda: draw(logp, K, TEMPERATURE, TOP_K, logq),
+        "draw_no_top_k": lambda: draw(logp, K, TEMPERATURE, 0, logq),
+        "torch_warpers": lambda: draw(warpers(no_context, logp.float()), K, 1.0, 0, logq),
     }
 
 
@@ -117,9 +119,9 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="another version of draw.py, timed beside the current one")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    versions = {"current": draw_module}
+    versions = {"current": ops.draw_children}          # with its routing of long rows
     if args.baseline:
-        versions["baseline"] = load_version(args.baseline)
+        versions["baseline"] = module_draw(load_version(args.baseline))
     gen = torch.Generator().manual_seed(0)
     records, targets = [], []
 
@@ -131,8 +133,8 @@ def main() -> None:
         record = dict(frontier_rows=F, vocab=V, children=K, temperature=TEMPERATURE, top_k=TOP_K,
                       greedy_topk_us=per_call_us(lambda: ops.row_topk(logp, K)))
         for _ in range(2):                            # alternated: a drift of the machine shows as a spread
-            for name, module in versions.items():
-                for op, fn in rows_for(module, logp).items():
+            for name, draw in versions.items():
+                for op, fn in rows_for(draw, logp).items():
                     record.setdefault(f"{name}_{op}_us", []).append(round(per_call_us(fn), 2))
         for op, fn in top_p_rows(logp).items():
             record[f"current_{op}_us"] = round(per_call_us(fn), 2)

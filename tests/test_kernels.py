@@ -1047,8 +1047,8 @@ def test_expand_frontier_matches_reference(device):
 def test_draw_children_matches_reference(device):
     """Given the same uniforms, the drawn children (tokens exactly; log-probs, sibling ranks and the written log-prob
     rows to rounding) equal the reference: with and without the top-k and top-p warpers, temperatures below and above
-    1, rows drawn by one program (up to ``4 * block`` entries; any row under the top-p warper) and by slices, a
-    strided row view, exact score ties at the top-k threshold, a row with -inf entries and warpers keeping fewer
+    1, rows drawn by one program (up to ``4 * block`` entries; any row under a warper) and by slices, a strided row
+    view, exact score ties at the top-k threshold, a row with -inf entries and warpers keeping fewer
     entries than the draws (the rest token 0 at -inf)."""
     from specla_kernels.draw import draw_children
     gen = seeded('draw')
@@ -1056,7 +1056,8 @@ def test_draw_children_matches_reference(device):
     for F, V, k, temperature, top_k, top_p in [
             (1, 37, 3, 0.7, 0, 1.0), (4, 300, 4, 0.7, 50, 1.0), (3, 2100, 4, 1.0, 5, 1.0), (2, 150, 2, 1.6, 0, 1.0),
             (4, 64, 4, 1.3, 2, 1.0), (2, 5000, 16, 0.9, 64, 1.0), (3, 200, 4, 0.8, 0, 0.9), (4, 300, 4, 1.2, 30, 0.6),
-            (2, 700, 8, 1.0, 0, 0.05), (2, 9000, 4, 0.7, 20, 0.95)]:
+            (2, 700, 8, 1.0, 0, 0.05), (2, 9000, 4, 0.7, 20, 0.95), (2, 1500, 4, 0.7, 0, 1.0),
+            (2, 9000, 4, 0.7, 0, 1.0)]:
         if device == "cpu" and V > 2100:
             continue
         x = torch.log_softmax(torch.randn(F + 1, V, generator=gen) * 3, -1)
@@ -1064,7 +1065,7 @@ def test_draw_children_matches_reference(device):
         x[-1, :5] = float("-inf")
         rows, u = x[:F].to(device), torch.rand(F, V, generator=gen).to(device)
         got_q, want_q = torch.full_like(rows, float("nan")), torch.empty_like(rows)
-        one_program = max(4 * block, V) if top_p < 1.0 else 4 * block
+        one_program = max(4 * block, V) if top_k or top_p < 1.0 else 4 * block
         got = draw_children(rows, k, temperature, top_k, got_q, uniforms=u, block=block, one_program=one_program,
                             top_p=top_p)
         want = ref.draw_children_ref(rows, k, temperature, top_k, want_q, u, top_p)
@@ -1079,7 +1080,7 @@ def test_draw_children_matches_reference(device):
                             one_program=one_program, top_p=top_p)
         want = ref.draw_children_ref(strided, k, temperature, top_k, torch.empty_like(strided), u, top_p)
         assert torch.equal(got[2], want[2]), (case, "strided")
-    with pytest.raises(ValueError, match="top-p warper to rows of at most"):
+    with pytest.raises(ValueError, match="top-k and top-p warpers to rows of at most"):
         draw_children(rows, 2, 1.0, 0, got_q, uniforms=u, block=16, one_program=32, top_p=0.9)
 
 

@@ -11,13 +11,14 @@ scores' 32-bit order), the log-softmax's normaliser, the Gumbel keys (uniforms f
 memory, so a CUDA graph replays fresh draws), the ``K`` largest keys (the draws, in draw order), their log-probs and
 sibling ranks (fp64), and the row's log-probs (``-inf`` where removed: the acceptance's ``q``). One launch a depth.
 
-A longer row (a 32K draft vocabulary) is spread over slices of it, in three launches, or four with a top-k warper:
+A longer row (a 32K draft vocabulary) comes warped (``ops.draw_children`` applies the warpers in torch first:
+``torch.topk`` takes a 32K row's threshold faster than one program's counting passes) and is spread over slices of
+it, in three launches:
 
-1. (top-k warper) one program per row finds the threshold, reading the row block by block in each counting pass.
-2. One program per slice: its kept entries' max and sum of exponentials (the normaliser, in parts), their Gumbel keys
+1. One program per slice: its entries' max and sum of exponentials (the normaliser, in parts), their Gumbel keys
    and the slice's ``K`` largest keys.
-3. One program per row: the normaliser, the ``K`` largest keys of the slices', the draws' log-probs and ranks.
-4. One program per slice writes the row's log-probs.
+2. One program per row: the normaliser, the ``K`` largest keys of the slices', the draws' log-probs and ranks.
+3. One program per slice writes the row's log-probs.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ import triton.language as tl
 from specla_kernels.topk import NO_INDEX, top_k_slots
 
 MAX_DRAWS = 16
-MAX_THRESHOLD_VOCAB = 65536   # the top-k warper's threshold takes 32 passes over a row: larger ones take torch
 ONE_PROGRAM_VOCAB = 16384     # rows up to this long are drawn by one program each (32 entries a thread)
 
 
@@ -65,24 +65,6 @@ def _key_score(key):
 
 
 @triton.jit
-def draw_threshold_kernel(x, stride_x, threshold, V, temperature, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    # the TOP_K-th largest scaled score of a row, duplicates counted, by bisection over the 2^32 keys (32 counting
-    # passes over the row, which stays in L1 for the vocabularies this takes)
-    row = tl.program_id(0)
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
-        count = tl.zeros([], tl.int32)
-        for c0 in range(0, V, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            key = _order_keys(_scaled(x, stride_x, row, cols, V, temperature))
-            count += tl.sum(((key >= mid.to(tl.int32)) & (cols < V)).to(tl.int32), 0)
-        lo, hi = _halve(lo, hi, mid, count, TOP_K)
-    tl.store(threshold + row, _key_score(lo))
-
-
-@triton.jit
 def _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS: tl.constexpr):
     """Gumbel-max keys of the kept scaled scores ``s`` at ``cols`` (``-inf`` exactly where nothing can be drawn)."""
     at = row.to(tl.int64) * V + cols
@@ -96,16 +78,11 @@ def _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS: tl.constexpr):
 
 
 @triton.jit
-def draw_slices_kernel(x, stride_x, threshold, uniforms, seed, part_max, part_sum, key_v, key_i, V, NB, temperature,
-                       K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-                       GIVEN_UNIFORMS: tl.constexpr):
+def draw_slices_kernel(x, stride_x, uniforms, seed, part_max, part_sum, key_v, key_i, V, NB, temperature,
+                       K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, GIVEN_UNIFORMS: tl.constexpr):
     i_s, row = tl.program_id(0), tl.program_id(1)
     cols = i_s * BLOCK + tl.arange(0, BLOCK)
     s = _scaled(x, stride_x, row, cols, V, temperature)
-    kept = cols < V
-    if HAS_THRESHOLD:
-        kept = kept & (s >= tl.load(threshold + row))
-    s = tl.where(kept, s, float("-inf"))
     top = tl.max(s, 0)
     safe = tl.where(top == float("-inf"), 0., top)           # a slice with nothing kept adds 0 to the sum
     tl.store(part_max + row * NB + i_s, top)
@@ -222,14 +199,10 @@ def draw_merge_kernel(x, stride_x, part_max, part_sum, key_v, key_i, lse, top_lo
 
 
 @triton.jit
-def draw_logq_kernel(x, stride_x, threshold, lse, logq, stride_q, V, temperature, BLOCK: tl.constexpr,
-                     HAS_THRESHOLD: tl.constexpr):
+def draw_logq_kernel(x, stride_x, lse, logq, stride_q, V, temperature, BLOCK: tl.constexpr):
     i_s, row = tl.program_id(0), tl.program_id(1)
     cols = i_s * BLOCK + tl.arange(0, BLOCK)
-    s = _scaled(x, stride_x, row, cols, V, temperature)
-    out = s - tl.load(lse + row)
-    if HAS_THRESHOLD:
-        out = tl.where(s >= tl.load(threshold + row), out, float("-inf"))
+    out = _scaled(x, stride_x, row, cols, V, temperature) - tl.load(lse + row)
     tl.store(logq + row.to(tl.int64) * stride_q + cols, out, mask=cols < V)
 
 
@@ -247,11 +220,12 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     """Triton twin of ``draw_children_ref``: the uniforms come from Philox on ``seed`` (an int64 device tensor of
     one element, drawn fresh each call) unless ``uniforms [F, V]`` are given (tests). Rows of at most
     ``one_program`` entries take one program each, longer ones slices of ``block`` entries (tests take both); the
-    top-p warper needs the whole row in one program."""
+    top-k and top-p warpers need the whole row in one program."""
     F, V = x.shape
-    if top_p < 1.0 and V > one_program:
-        raise ValueError(f"draw_children applies the top-p warper to rows of at most {one_program} entries, got {V}: "
-                         "warp longer rows first (ops.warped_scores) and draw with temperature 1 and no warpers")
+    if (top_k or top_p < 1.0) and V > one_program:
+        raise ValueError(f"draw_children applies the top-k and top-p warpers to rows of at most {one_program} "
+                         f"entries, got {V}: warp longer rows first (reference.warped_scores_ref) and draw with "
+                         "temperature 1 and no warpers")
     x = x if x.stride(-1) == 1 else x.contiguous()
     KP = triton.next_power_of_2(k)
     dev, f32 = x.device, torch.float32
@@ -268,27 +242,20 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     BLOCK = min(block, max(16, triton.next_power_of_2(V)))
     NB = triton.cdiv(V, BLOCK)
     warps = 4 if BLOCK >= 512 else 1
-    threshold = None
-    if top_k:
-        threshold = torch.empty(F, dtype=f32, device=dev)
-        BT = min(8192, max(16, triton.next_power_of_2(V)))
-        draw_threshold_kernel[(F,)](x, x.stride(0), threshold, V, temperature, TOP_K=top_k, BLOCK=BT,
-                                    num_warps=8 if BT >= 4096 else 4)
     part_max = torch.empty(F, NB, dtype=f32, device=dev)
     part_sum = torch.empty(F, NB, dtype=f32, device=dev)
     key_v = torch.empty(F, NB, KP, dtype=f32, device=dev)
     key_i = torch.empty(F, NB, KP, dtype=torch.int64, device=dev)
-    draw_slices_kernel[(NB, F)](x, x.stride(0), threshold if top_k else x, uniforms.contiguous() if given else x,
+    draw_slices_kernel[(NB, F)](x, x.stride(0), uniforms.contiguous() if given else x,
                                 seed if seed is not None else key_i, part_max, part_sum, key_v, key_i, V, NB,
-                                temperature, K=k, KP=KP, BLOCK=BLOCK, HAS_THRESHOLD=bool(top_k),
-                                GIVEN_UNIFORMS=given, num_warps=warps)
+                                temperature, K=k, KP=KP, BLOCK=BLOCK, GIVEN_UNIFORMS=given, num_warps=warps)
     lse = torch.empty(F, dtype=f32, device=dev)
     C = NB * KP
     draw_merge_kernel[(F,)](x, x.stride(0), part_max, part_sum, key_v, key_i, lse, top_logq, rank, token, NB,
                             temperature, K=k, KP=KP, BNB=max(16, triton.next_power_of_2(NB)),
                             BC=max(16, triton.next_power_of_2(C)), num_warps=1 if C <= 256 else 4)
-    draw_logq_kernel[(NB, F)](x, x.stride(0), threshold if top_k else lse, lse, logq_out, logq_out.stride(0), V,
-                              temperature, BLOCK=BLOCK, HAS_THRESHOLD=bool(top_k), num_warps=warps)
+    draw_logq_kernel[(NB, F)](x, x.stride(0), lse, logq_out, logq_out.stride(0), V, temperature, BLOCK=BLOCK,
+                              num_warps=warps)
     return top_logq, rank, token
 
 

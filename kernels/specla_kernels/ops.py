@@ -173,15 +173,15 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     """``k`` children of each row of draft scores ``x [F, V]`` drawn without replacement under the temperature, top-k
     and top-p warpers, the warped log-probs written into ``logq_out`` (see ``draw_children_ref``). Fresh randomness
     each call from torch's generator, also inside a CUDA graph: the Triton path reads a seed drawn on the device
-    (Philox in the kernel), the reference path uniforms. Rows too long for one program take the top-p warper in
-    torch (``warped_scores``) and the kernels' draws from its output."""
+    (Philox in the kernel), the reference path uniforms. Rows too long for one program take the warpers in torch and
+    the kernels' draws from their output: at a 32K row and 1-4 rows ``torch.topk`` and a sort beat one program's
+    passes over the row and the survivors' nucleus of ``warped_scores`` (``bench_draw.py``, H100)."""
     top_k = _top_k_that_removes(top_k, x)
     if use_triton(x) and k <= _draw.MAX_DRAWS:
-        if top_p < 1.0 and x.shape[-1] > _draw.ONE_PROGRAM_VOCAB:
-            x, temperature, top_k, top_p = warped_scores(x, temperature, top_k, top_p), 1.0, 0, 1.0
-        if not top_k or x.shape[-1] <= _draw.MAX_THRESHOLD_VOCAB:
-            seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
-            return _draw.draw_children(x, k, temperature, top_k, logq_out, seed=seed, top_p=top_p)
+        if x.shape[-1] > _draw.ONE_PROGRAM_VOCAB and (top_k or top_p < 1.0):
+            x, temperature, top_k, top_p = reference.warped_scores_ref(x, temperature, top_k, top_p), 1.0, 0, 1.0
+        seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
+        return _draw.draw_children(x, k, temperature, top_k, logq_out, seed=seed, top_p=top_p)
     return reference.draw_children_ref(x, k, temperature, top_k, logq_out, torch.empty_like(x).uniform_(), top_p)
 
 
@@ -217,15 +217,15 @@ def warped_scores(x: torch.Tensor, temperature: float, top_k: int, top_p: float 
     p_kth = (kth - lse).exp()
     all_tied = values[:, :1] == kth                      # then the last of them is the row's last: kept
     remove = at_kth & (tied_rank * p_kth <= cut) & ((tied_rank < n_kth) | ~all_tied)
-    # the survivors above them are all among topk's values: in ascending (score, index) order
-    by_index = index.sort(-1)
-    values, index = values.gather(-1, by_index.indices), by_index.values
-    ascending = values.sort(dim=-1, stable=True)
-    values, index = ascending.values, index.gather(-1, ascending.indices)
+    # the survivors above them are all among topk's values; each one's running sum in ascending (score, index)
+    # order, from pairwise comparisons of the top_k (no sort: the order of ties stays the indices')
     above = values > kth
-    running = n_kth * p_kth + torch.where(above, (values - lse).exp(), 0.).cumsum(-1)
-    gone = above & (running <= cut)
-    gone[:, -1] = False
+    p_above = torch.where(above, (values - lse).exp(), 0.)
+    v_i, v_j, i_i, i_j = values[:, None, :], values[:, :, None], index[:, None, :], index[:, :, None]
+    at_or_before = (v_i < v_j) | ((v_i == v_j) & (i_i <= i_j))          # [R, j, i]: i comes at or before j
+    running = n_kth * p_kth + torch.where(at_or_before, p_above[:, None, :], 0.).sum(-1)   # (no TF32 matmul)
+    last = (at_or_before & above[:, None, :]).sum(-1) == above.sum(-1, keepdim=True)      # the row's largest
+    gone = above & (running <= cut) & ~last
     remove = remove.scatter(-1, index, gone | remove.gather(-1, index))
     return s.masked_fill(remove, float("-inf"))
 
