@@ -9,8 +9,8 @@ vocabulary, 4 children a row, temperature 0.7 under transformers' default top-k 
 - ``torch_warpers``: the warpers in torch, then the kernels at temperature 1 (the path of other processors);
 - ``greedy_topk``: a greedy depth's ``ops.row_topk`` of the same rows;
 - ``top_p`` / ``torch_top_p``: Qwen's sampling settings (temperature 0.7, top-k 20, top-p 0.95) through
-  ``ops.draw_children`` (the row kernel at 8192 entries; at 32K the nucleus among the top-k survivors in torch, then
-  the kernels) against transformers' warpers in torch, then the kernels (current version only).
+  ``ops.draw_children`` (the row kernel at 8192 entries; at 32K the reference's warpers in torch, then the kernels)
+  against transformers' warpers in torch, then the kernels (current version only).
 The target's side of a sampled step, a verified tree's warped probabilities (``ops.warped_probs`` against
 transformers' warpers and a softmax, ``torch_``), at 64 nodes of 8192 entries (the 1.3B GDN shape) and of 248,320
 (Qwen3.5), with and without top-p. ``--baseline FILE``: the same draft rows for another version of ``draw.py`` (e.g.
@@ -65,22 +65,22 @@ def module_draw(module):
     return draw
 
 
+def warpers_of(top_k: int, top_p: float = 1.0) -> LogitsProcessorList:
+    return LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(top_k)]
+                               + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
+
+
 def rows_for(draw, logp: torch.Tensor) -> dict:
     """The timed calls of one ``draw(x, k, temperature, top_k, logq)`` on frontier log-probs ``logp``."""
     F, V = logp.shape
     logq = torch.empty_like(logp)
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(TOP_K)])
+    warpers = warpers_of(TOP_K)
     no_context = torch.empty(F, 0, dtype=torch.long, device=logp.device)
     return {
         "draw": lambda: draw(logp, K, TEMPERATURE, TOP_K, logq),
         "draw_no_top_k": lambda: draw(logp, K, TEMPERATURE, 0, logq),
         "torch_warpers": lambda: draw(warpers(no_context, logp.float()), K, 1.0, 0, logq),
     }
-
-
-def warpers_of(top_k: int, top_p: float = 1.0) -> LogitsProcessorList:
-    return LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE), TopKLogitsWarper(top_k)]
-                               + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
 
 
 def top_p_rows(logp: torch.Tensor) -> dict:
