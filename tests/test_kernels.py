@@ -1142,6 +1142,54 @@ def test_nucleus_with_ties_equals_reference(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_warped_probs_sliced_equals_reference(device):
+    """Long rows under a top-k warper in slices (``warped_probs_sliced``): exactly the reference's entries kept and
+    its probabilities to rounding, with the top-p warper and without; rows of a few distinct scores (ties at both
+    thresholds, within a slice and across slices, more of them than a slice lists), rows of distinct scores, bf16,
+    a strided view, -inf entries, a slice all -inf, top-p 0 (the last of the largest alone) and a top-k keeping
+    every finite entry; the log-probs alike. On CUDA a long draft row's draws through ``ops.draw_children``."""
+    from specla_kernels.draw import sliced_warp_fits, warped_probs_sliced
+    gen = seeded('sliced warp')
+    block = 64 if device == "cpu" else 1024
+    cases = [(2, 700, 5, 0.3, 0.8, "ties"), (3, 1000, 20, 0.95, 1.0, "ties"), (2, 513, 1, 0.9, 0.6, "ties"),
+             (2, 900, 50, 1.0, 0.95, "normal"), (3, 650, 8, 0.5, 1.3, "normal"), (1, 300, 7, 0.0, 1.0, "ties"),
+             (2, 400, 30, 0.7, 0.7, "bf16"), (2, 800, 12, 0.9, 1.0, "strided"), (2, 500, 16, 0.9, 1.0, "inf")]
+    cases += [(int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(block + 1, 10 * block, (1,),
+                                                                                  generator=gen)),
+               int(torch.randint(1, 40, (1,), generator=gen)), [1.0, float(torch.rand((), generator=gen))][i % 2],
+               0.5 + float(torch.rand((), generator=gen)), "ties") for i in range(6)]
+    for i, (R, V, top_k, top_p, temperature, kind) in enumerate(cases):
+        if kind == "ties":
+            x = torch.randint(0, 6, (R, V), generator=gen).float()
+        else:
+            x = torch.randn(R, 2 * V if kind == "strided" else V, generator=gen) * 3
+            x = x[:, ::2] if kind == "strided" else x.to(torch.bfloat16 if kind == "bf16" else torch.float32)
+        if kind == "inf":
+            x[0, :2 * block] = float("-inf")                   # whole slices of nothing
+            x[1, 5:] = float("-inf")                           # fewer finite entries than the top-k keeps
+        assert sliced_warp_fits(V, top_k, block)
+        want = ref.warped_scores_ref(x.float(), temperature, top_k, top_p)
+        got = warped_probs_sliced(x.to(device), temperature, top_k, top_p, block=block).cpu()
+        case = (R, V, top_k, top_p, temperature, kind)
+        assert got.dtype == torch.float32 and torch.equal(got == 0, want == float("-inf")), case
+        assert torch.allclose(got, want.softmax(-1), atol=1e-6, rtol=1e-5), case
+        if i % 3 == 0:
+            logp = warped_probs_sliced(x.to(device), temperature, top_k, top_p, block=block, log=True).cpu()
+            assert torch.equal(logp.isinf(), got == 0), case
+            assert torch.allclose(logp.exp(), got, atol=1e-6, rtol=1e-5), case
+    if device == "cuda":            # a draft row too long for one program: ops.draw_children warps it in slices
+        x = torch.randn(3, 40000, generator=gen).cuda() * 3
+        logq = torch.empty_like(x)
+        _, _, token = ops.draw_children(x, 4, 0.7, 20, logq, top_p=0.9)
+        want = ref.warped_scores_ref(x, 0.7, 20, 0.9).log_softmax(-1)
+        assert torch.equal(logq.isinf(), want.isinf()) and torch.allclose(logq.exp(), want.exp(), atol=1e-6)
+        assert want.gather(1, token).isfinite().all()
+    assert not sliced_warp_fits(248320, 0) and not sliced_warp_fits(248320, 1024)
+    with pytest.raises(ValueError, match="warped_probs_sliced takes a top-k warper"):
+        warped_probs_sliced(x.to(device), 1.0, 0, block=block)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_draw_children_draws_from_the_warped_distribution(device):
     """Through ``ops.draw_children`` (the kernel's own Philox uniforms on a seed drawn each call): the first child
     follows the warped distribution and the second the distribution without the first (chi-square, p > 1e-4), and

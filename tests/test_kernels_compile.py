@@ -120,6 +120,8 @@ def call_every_wrapper():
     draw.draw_children(z(4, 8192, dtype=f32), 4, 0.7, 20, z(4, 8192, dtype=f32), seed=seed, top_p=0.95)  # top-p
     draw.warped_log_probs(z(64, 16384, dtype=f32), 0.7, 0, z(64, 16384, dtype=f32), top_p=0.9)
     draw.draw_children(z(4, 248320, dtype=f32), 4, 1.0, 0, z(4, 248320, dtype=f32), seed=seed)
+    draw.warped_probs_sliced(z(64, 248320), 0.7, 20, top_p=0.95)              # a target's rows, Qwen's warpers
+    draw.warped_probs_sliced(z(64, 248320, dtype=f32), 1.0, 50)
     draft_expand.expand_frontier(z(4, 4, dtype=f32), z(4, 4, dtype=f32), torch.zeros(4, 4, dtype=torch.long),
                                  z(4, dtype=f32),
                                  torch.zeros(4, dtype=torch.long), z(3, 64, dtype=torch.float64),

@@ -19,6 +19,18 @@ it, in three launches:
    and the slice's ``K`` largest keys.
 2. One program per row: the normaliser, the ``K`` largest keys of the slices', the draws' log-probs and ranks.
 3. One program per slice writes the row's log-probs.
+
+A verified tree's warped rows at a target's vocabulary (Qwen3.5's 248K) under a top-k warper
+(``warped_probs_sliced``) need no sort and no pass of one program over a whole row, in three launches:
+
+1. One program per slice: the slice's ``top_k``-th largest scaled score ``t_s`` (bisection over the order keys),
+   the entries above it (fewer than ``top_k``) compacted, and how many equal it. Every survivor of the row's
+   top-k warper is among them: the row's threshold is at least every slice's.
+2. One program per row, over those candidates with their multiplicities: the row's top-k threshold, the nucleus's
+   threshold and how many of the entries tied at it (in index order) it removes, the normaliser, and per slice how
+   many entries are tied at the nucleus's threshold.
+3. One program per slice writes the probabilities, keeping an entry by its score alone, or by its rank among the
+   ties (the slices before it counted in 2, its own by a running count).
 """
 from __future__ import annotations
 
@@ -30,6 +42,7 @@ from specla_kernels.topk import NO_INDEX, top_k_slots
 
 MAX_DRAWS = 16
 ONE_PROGRAM_VOCAB = 16384     # rows up to this long are drawn by one program each (32 entries a thread)
+WARP_SLICE = 8192             # ``warped_probs_sliced``'s slice of a long row
 
 
 @triton.jit
@@ -269,4 +282,146 @@ def warped_log_probs(x: torch.Tensor, temperature: float, top_k: int, out: torch
     x = x if x.stride(-1) == 1 else x.contiguous()
     draw_row_kernel[(F,)](x, x.stride(0), x, x, out, out.stride(0), x, x, x, V, temperature, top_p, K=0, KP=1,
                           TOP_K=top_k, TOP_P=top_p < 1.0, GIVEN_UNIFORMS=False, **_one_row(V))
+    return out
+
+
+@triton.jit
+def _masses_at_most(key, p, mid):
+    """The mass ``p`` of the keys at or below ``mid`` (any shape)."""
+    return tl.sum(tl.where(key <= mid.to(tl.int32), p, 0.))
+
+
+@triton.jit
+def warp_slices_kernel(x, stride_x, cand_v, n_above, group_v, group_c, V, NB, temperature, TOP_K: tl.constexpr,
+                       KP: tl.constexpr, BLOCK: tl.constexpr):
+    # a slice's share of a long row's top-k survivors (module docstring, "A verified tree's warped rows", 1)
+    i_s, row = tl.program_id(0), tl.program_id(1)
+    cols = i_s * BLOCK + tl.arange(0, BLOCK)
+    s = _scaled(x, stride_x, row, cols, V, temperature)
+    finite = s > float("-inf")
+    key = _order_keys(s)
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        lo, hi = _halve(lo, hi, mid, tl.sum((finite & (key >= mid.to(tl.int32))).to(tl.int32), 0), TOP_K)
+    t = lo.to(tl.int32)                 # the lowest key when the slice holds fewer finite entries: all are above
+    above = finite & (key > t)
+    at = row.to(tl.int64) * NB + i_s
+    tl.store(cand_v + at * KP + tl.cumsum(above.to(tl.int32), 0) - 1, s, mask=above)
+    tl.store(n_above + at, tl.sum(above.to(tl.int32), 0))
+    tl.store(group_v + at, _key_score(t))
+    tl.store(group_c + at, tl.sum((finite & (key == t)).to(tl.int32), 0))
+
+
+@triton.jit
+def warp_merge_kernel(cand_v, n_above, group_v, group_c, tied, thr, removed, lse, NB, top_p, TOP_K: tl.constexpr,
+                      TOP_P: tl.constexpr, KP: tl.constexpr, BNB: tl.constexpr):
+    # a long row's thresholds and normaliser from its slices' candidates (module docstring, 2): the candidates
+    # above each slice's threshold [BNB, KP] count once, each slice's entries at its threshold as one group
+    row = tl.program_id(0)
+    b = tl.arange(0, BNB)
+    at = row.to(tl.int64) * NB + b
+    n = tl.load(n_above + at, mask=b < NB, other=0)
+    listed = tl.arange(0, KP)[None, :] < n[:, None]
+    v = tl.load(cand_v + at[:, None] * KP + tl.arange(0, KP)[None, :], mask=listed, other=float("-inf"))
+    kv = _order_keys(v)
+    gc = tl.load(group_c + at, mask=b < NB, other=0)
+    gv = tl.where(gc > 0, tl.load(group_v + at, mask=b < NB, other=float("-inf")), float("-inf"))
+    kg = _order_keys(gv)
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        count = tl.sum(((kv >= mid.to(tl.int32)) & listed).to(tl.int32)) + tl.sum(tl.where(kg >= mid.to(tl.int32),
+                                                                                           gc, 0))
+        lo, hi = _halve(lo, hi, mid, count, TOP_K)
+    t = lo.to(tl.int32)
+    top = tl.maximum(tl.max(tl.where(listed, v, float("-inf"))), tl.max(gv))
+    pv = tl.where(listed & (kv >= t), tl.exp(v - top), 0.)
+    pg = tl.where((gc > 0) & (kg >= t), gc.to(tl.float32) * tl.exp(gv - top), 0.)
+    total = tl.sum(pv) + tl.sum(pg)
+    gone = tl.zeros([], tl.int32)
+    kept_mass = total
+    if TOP_P:
+        # the nucleus (``nucleus_mask_ref``): the smallest key whose mass at or below it exceeds the cut, at most
+        # the row's largest; of the entries tied at it the lowest-indexed ones within the cut go, never the last
+        cut = (1. - top_p) * total
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            over = _masses_at_most(kv, pv, mid) + _masses_at_most(kg, pg, mid) > cut
+            lo, hi = tl.where(over, lo, mid + 1), tl.where(over, mid, hi)
+        top_key = _order_keys(top)
+        t = tl.minimum(lo.to(tl.int32), top_key)
+        below = _masses_at_most(kv, pv, t.to(tl.int64) - 1) + _masses_at_most(kg, pg, t.to(tl.int64) - 1)
+        p_t = tl.exp(_key_score(t) - top)
+        n_tied = tl.sum(((kv == t) & listed).to(tl.int32)) + tl.sum(tl.where(kg == t, gc, 0))
+        gone = tl.minimum(tl.maximum((cut - below) / p_t, 0.), n_tied.to(tl.float32)).to(tl.int32)
+        gone = tl.where(t == top_key, tl.minimum(gone, n_tied - 1), gone)
+        kept_mass = total - below - gone.to(tl.float32) * p_t
+    tl.store(tied + at, tl.sum(((kv == t) & listed).to(tl.int32), 1) + tl.where(kg == t, gc, 0), mask=b < NB)
+    tl.store(thr + row, t)
+    tl.store(removed + row, gone)
+    tl.store(lse + row, top + tl.log(kept_mass))
+
+
+@triton.jit
+def warp_write_kernel(x, stride_x, tied, thr, removed, lse, out, stride_o, V, NB, temperature, BLOCK: tl.constexpr,
+                      BNB: tl.constexpr, LOG: tl.constexpr):
+    # a slice of a long row's warped probabilities or log-probs (module docstring, 3)
+    i_s, row = tl.program_id(0), tl.program_id(1)
+    cols = i_s * BLOCK + tl.arange(0, BLOCK)
+    s = _scaled(x, stride_x, row, cols, V, temperature)
+    key = _order_keys(s)
+    t = tl.load(thr + row)
+    b = tl.arange(0, BNB)
+    before = tl.sum(tl.load(tied + row.to(tl.int64) * NB + b, mask=b < i_s, other=0), 0)
+    at_t = (key == t) & (s > float("-inf"))
+    rank = before + tl.cumsum(at_t.to(tl.int32), 0) - 1           # among the row's entries tied at t, by index
+    kept = (key > t) | (at_t & (rank >= tl.load(removed + row)))
+    logp = s - tl.load(lse + row)
+    if LOG:
+        res = tl.where(kept, logp, float("-inf"))
+    else:
+        res = tl.where(kept, tl.exp(logp), 0.)
+    tl.store(out + row.to(tl.int64) * stride_o + cols, res, mask=cols < V)
+
+
+def sliced_warp_fits(V: int, top_k: int, block: int = WARP_SLICE) -> bool:
+    """Whether ``warped_probs_sliced`` takes rows of ``V`` entries under a top-k warper of ``top_k``: the slices'
+    candidates fit one program (``ONE_PROGRAM_VOCAB``)."""
+    return 0 < top_k < V and triton.next_power_of_2(triton.cdiv(V, block)) * triton.next_power_of_2(top_k) \
+        <= ONE_PROGRAM_VOCAB
+
+
+def warped_probs_sliced(x: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0,
+                        block: int = WARP_SLICE, log: bool = False) -> torch.Tensor:
+    """``softmax(warped_scores_ref(x, temperature, top_k, top_p))`` (``log``: its log) as fp32 for long rows
+    ``x [R, V]`` under a top-k warper (``sliced_warp_fits``), in slices of ``block`` entries: three launches (module
+    docstring)."""
+    R, V = x.shape
+    if not sliced_warp_fits(V, top_k, block):
+        raise ValueError(f"warped_probs_sliced takes a top-k warper of 1 to {V - 1} entries whose slices' "
+                         f"candidates fit one program ({ONE_PROGRAM_VOCAB}), got top_k {top_k} over {V} entries in "
+                         f"slices of {block}: use reference.warped_scores_ref")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    BLOCK = min(block, triton.next_power_of_2(V))
+    NB, KP = triton.cdiv(V, BLOCK), triton.next_power_of_2(top_k)
+    BNB = max(2, triton.next_power_of_2(NB))
+    dev, f32, i32 = x.device, torch.float32, torch.int32
+    cand_v = torch.empty(R, NB, KP, dtype=f32, device=dev)
+    n_above, group_c, tied = (torch.empty(R, NB, dtype=i32, device=dev) for _ in range(3))
+    group_v = torch.empty(R, NB, dtype=f32, device=dev)
+    thr, removed = torch.empty(R, dtype=i32, device=dev), torch.empty(R, dtype=i32, device=dev)
+    lse = torch.empty(R, dtype=f32, device=dev)
+    out = torch.empty(R, V, dtype=f32, device=dev)
+    warps = max(1, min(16, BLOCK // 1024))
+    warp_slices_kernel[(NB, R)](x, x.stride(0), cand_v, n_above, group_v, group_c, V, NB, temperature, TOP_K=top_k,
+                                KP=KP, BLOCK=BLOCK, num_warps=warps)
+    warp_merge_kernel[(R,)](cand_v, n_above, group_v, group_c, tied, thr, removed, lse, NB, top_p, TOP_K=top_k,
+                            TOP_P=top_p < 1.0, KP=KP, BNB=BNB, num_warps=max(1, min(8, BNB * KP // 512)))
+    warp_write_kernel[(NB, R)](x, x.stride(0), tied, thr, removed, lse, out, out.stride(0), V, NB, temperature,
+                               BLOCK=BLOCK, BNB=BNB, LOG=log, num_warps=warps)
     return out

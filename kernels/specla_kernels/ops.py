@@ -173,13 +173,16 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     """``k`` children of each row of draft scores ``x [F, V]`` drawn without replacement under the temperature, top-k
     and top-p warpers, the warped log-probs written into ``logq_out`` (see ``draw_children_ref``). Fresh randomness
     each call from torch's generator, also inside a CUDA graph: the Triton path reads a seed drawn on the device
-    (Philox in the kernel), the reference path uniforms. Rows too long for one program take the warpers in torch and
-    the kernels' draws from their output: at a 32K row and 1-4 rows ``torch.topk`` and a sort beat one program's
-    passes over the row and the survivors' nucleus of ``warped_scores`` (``bench_draw.py``, H100)."""
+    (Philox in the kernel), the reference path uniforms. Rows too long for one program take the warpers first, in
+    slices under a top-k warper (``warped_probs_sliced``), else in torch, and the kernels' draws from their
+    output."""
     top_k = _top_k_that_removes(top_k, x)
     if use_triton(x) and k <= _draw.MAX_DRAWS:
         if x.shape[-1] > _draw.ONE_PROGRAM_VOCAB and (top_k or top_p < 1.0):
-            x, temperature, top_k, top_p = reference.warped_scores_ref(x, temperature, top_k, top_p), 1.0, 0, 1.0
+            x = (_draw.warped_probs_sliced(x, temperature, top_k, top_p, log=True)
+                 if _draw.sliced_warp_fits(x.shape[-1], top_k) else
+                 reference.warped_scores_ref(x, temperature, top_k, top_p))
+            temperature, top_k, top_p = 1.0, 0, 1.0
         seed = torch.randint(2 ** 31 - 1, (1,), dtype=torch.int64, device=x.device)
         return _draw.draw_children(x, k, temperature, top_k, logq_out, seed=seed, top_p=top_p)
     return reference.draw_children_ref(x, k, temperature, top_k, logq_out, torch.empty_like(x).uniform_(), top_p)
@@ -188,11 +191,14 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
 def warped_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0) -> torch.Tensor:
     """Rows of scores ``x [R, V]`` after the temperature, top-k and top-p warpers (``top_k`` 0, ``top_p`` 1: none)
     as fp32 probabilities (see ``warped_scores_ref``): on the Triton path the log-probs in one launch for rows of up
-    to 16K entries, then their exponentials; longer rows as torch ops (``warped_scores``)."""
+    to 16K entries, then their exponentials; longer rows under a top-k warper in slices (three launches); others as
+    torch ops (``warped_scores``)."""
     top_k = _top_k_that_removes(top_k, x)
     if use_triton(x) and x.shape[-1] <= _draw.ONE_PROGRAM_VOCAB:
         return _draw.warped_log_probs(x, temperature, top_k, torch.empty(x.shape, dtype=torch.float32,
                                                                           device=x.device), top_p).exp_()
+    if use_triton(x) and _draw.sliced_warp_fits(x.shape[-1], top_k):
+        return _draw.warped_probs_sliced(x, temperature, top_k, top_p)
     return torch.softmax(warped_scores(x, temperature, top_k, top_p), -1)
 
 
