@@ -12,8 +12,9 @@ vocabulary, 4 children a row, temperature 0.7 under transformers' default top-k 
   ``ops.draw_children`` (the row kernel at 8192 entries; at 32K the reference's warpers in torch, then the kernels)
   against transformers' warpers in torch, then the kernels (current version only).
 The target's side of a sampled step, a verified tree's warped probabilities (``ops.warped_probs`` against
-transformers' warpers and a softmax, ``torch_``), at 64 nodes of 8192 entries (the 1.3B GDN shape) and of 248,320
-(Qwen3.5), with and without top-p. ``--baseline FILE``: the same draft rows for another version of ``draw.py`` (e.g.
+transformers' warpers and a softmax, ``torch_``), at 64 nodes of 8192 entries (the 1.3B GDN shape) and at 16 and
+64 nodes of 248,320 (Qwen3.5), bf16 as the verify pass gives them, with and without top-p; the long rows also
+through ``ops.warped_scores`` (``torch_ops_``) and in slices of 4096 (``slices4096_``). ``--baseline FILE``: the same draft rows for another version of ``draw.py`` (e.g.
 ``git show REV:kernels/specla_kernels/draw.py > FILE``), alternated with the current one. Writes
 ``--out/bench_draw.json``; tables last.
 
@@ -35,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import bench_graph  # noqa: E402
 
 from specla_kernels import ops  # noqa: E402
+from specla_kernels.draw import ONE_PROGRAM_VOCAB, warped_probs_sliced  # noqa: E402
 
 REPEAT = 10          # calls a graph holds: the replay's own launch cost is spread over them
 SHAPES = [(1, 8192), (4, 8192), (1, 32768), (4, 32768)]      # (frontier rows, vocabulary)
 K, TEMPERATURE, TOP_K = 4, 0.7, 50
 QWEN_TOP_K, QWEN_TOP_P = 20, 0.95
-TARGET_SHAPES = [(64, 8192), (64, 248320)]                   # (verified nodes, vocabulary)
+TARGET_SHAPES = [(64, 8192), (16, 248320), (64, 248320)]       # (verified nodes, vocabulary)
 
 
 def per_call_us(fn) -> float:
@@ -93,15 +95,22 @@ def top_p_rows(logp: torch.Tensor) -> dict:
 
 
 def target_record(R: int, V: int, gen: torch.Generator) -> dict:
-    """A verified tree's warped probabilities, ``ops.warped_probs`` against transformers' warpers and a softmax."""
-    logits = (torch.randn(R, V, generator=gen) * 3).cuda()
+    """A verified tree's warped probabilities, ``ops.warped_probs`` against transformers' warpers and a softmax;
+    rows longer than one program's also through the torch form (``ops.warped_scores``, the survivors' nucleus)
+    and in slices of 4096 entries (``warped_probs_sliced``, against its default of ``WARP_SLICE``)."""
+    logits = (torch.randn(R, V, generator=gen) * 3).to(torch.bfloat16).cuda()    # the verify pass's dtype
     no_context = torch.empty(R, 0, dtype=torch.long, device="cuda")
     record = dict(nodes=R, vocab=V, temperature=TEMPERATURE)
     for top_k, top_p in [(TOP_K, 1.0), (QWEN_TOP_K, QWEN_TOP_P)]:
         warpers = warpers_of(top_k, top_p)
         name = f"top_k{top_k}" + (f"_top_p{top_p}" if top_p < 1.0 else "")
-        record[f"{name}_us"] = round(per_call_us(lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p)), 2)
-        record[f"torch_{name}_us"] = round(per_call_us(lambda: warpers(no_context, logits.float()).softmax(-1)), 2)
+        calls = {"": lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p),
+                 "torch_": lambda: warpers(no_context, logits.float()).softmax(-1)}
+        if V > ONE_PROGRAM_VOCAB:
+            calls["torch_ops_"] = lambda: ops.warped_scores(logits, TEMPERATURE, top_k, top_p).softmax(-1)
+            calls["slices4096_"] = lambda: warped_probs_sliced(logits, TEMPERATURE, top_k, top_p, block=4096)
+        for prefix, fn in calls.items():
+            record[f"{prefix}{name}_us"] = round(per_call_us(fn), 2)
     return record
 
 

@@ -17,6 +17,8 @@ graph_ar_ms_per_token (SpecLA's autoregressive decoding, the prompt pass include
 ran as CUDA graphs), graph_ar_step_ms (its decode step alone), stock_ms_per_token, the ratios, weight_floor_ms (a decode
 step's least time, ``acceptance_curve.weight_floor_ms``)) and ``hybrid_bench.png``, and prints a table last. Every speculative run has the fallback to
 autoregressive decoding off (what speculation costs), except the ``tree_default`` method (what a user gets).
+``--temperature`` (with ``--top-k`` / ``--top-p``) samples instead, against SpecLA AR sampling alike (records carry
+the warpers' settings); ``--methods`` picks the speculative methods.
 """
 from __future__ import annotations
 
@@ -181,10 +183,15 @@ def profile_call(target, ids, n_new: int, path: Path, **kwargs) -> None:
 
 def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, stock_prompts: int,
                 noises: list[float] | None = None, profile_dir: Path | None = None,
-                draft_vocab: int | None = None) -> list[dict]:
+                draft_vocab: int | None = None, sampling: dict | None = None,
+                methods: list[str] | None = None) -> list[dict]:
     """Stock, SpecLA AR and every drafter x method on ``ids_list``; with ``noises`` (random shapes), the MTP head's
     drafts come from ``OracleDrafts`` at each noise scale, over a draft vocabulary of ``draft_vocab`` tokens if
-    given."""
+    given. With ``sampling`` (``generate`` keywords: temperature, top_k, top_p) the speculative methods sample, each
+    pass from the same seed, and are compared with SpecLA AR sampling alike; stock and the oracle's continuations
+    stay greedy."""
+    decoding = dict(do_sample=True, **sampling) if sampling else dict(do_sample=False)
+    methods = {m: METHODS[m] for m in (methods or METHODS)}
     with OracleDrafts(target.config.vocab_size, target.device) if noises else contextlib.nullcontext() as oracle:
         target.generation_config.eos_token_id = None                  # fixed-length runs
         params = sum(p.numel() for p in target.parameters())
@@ -198,11 +205,15 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
         # prompt length, and the first method timed would pay for all)
         run(target, ids_list, 4, do_sample=False)
         run(target, ids_list, 4, do_sample=False, specla=True)
+        if sampling:
+            run(target, ids_list, 4, specla=True, **decoding)
         for drafter in drafters.values():
-            for kw in METHODS.values():
-                run(target, ids_list, 4, do_sample=False, assistant_model=drafter, **kw)
+            for kw in methods.values():
+                run(target, ids_list, 4, assistant_model=drafter, **decoding, **kw)
         stock, _ = run(target, ids_list[:stock_prompts], n_new, do_sample=False)
         ar, _ = run(target, ids_list, n_new, do_sample=False, specla=True)
+        torch.manual_seed(1)
+        ar_decoding = run(target, ids_list, n_new, specla=True, **decoding)[0] if sampling else ar
         # a decode step's time, the prompt pass left out (the difference with a quarter of the tokens): the weight
         # floor is per step
         short, _ = run(target, ids_list, n_new // 4, do_sample=False, specla=True)
@@ -215,28 +226,34 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                     ar_cuda_graphs=adapter_for(target).graphs is not None)
         records = [dict(base, method="stock", drafter=None, noise=None, tau=1.0, ms_per_token=stock),
                    dict(base, method="specla_ar", drafter=None, noise=None, tau=1.0, ms_per_token=ar)]
+        if sampling:
+            records.append(dict(base, method="specla_ar", drafter=None, noise=None, tau=1.0, **sampling,
+                                ms_per_token=ar_decoding))
+            log(f"{shape}: SpecLA AR sampling ({sampling}) {ar_decoding:.2f} ms/token")
         log(f"{shape}: stock {stock:.2f} ms/token, SpecLA AR {ar:.2f} ms/token ({ar_step:.3f} ms a decode step, "
             f"{ar_step / base['weight_floor_ms']:.2f}x the weight floor of {base['weight_floor_ms']:.3f} ms)")
         for name, drafter in drafters.items():
             for noise in (noises or [None]) if name == "mtp" else [None]:
-                for method, kw in METHODS.items():
+                for method, kw in methods.items():
                     if noise is None:
-                        ms, stats = run(target, ids_list, n_new, do_sample=False, assistant_model=drafter, **kw)
+                        torch.manual_seed(1)
+                        ms, stats = run(target, ids_list, n_new, assistant_model=drafter, **decoding, **kw)
                     else:
                         oracle.scale.fill_(noise)
 
                         def over_prompts():
                             ms, stats = 0.0, []
+                            torch.manual_seed(1)
                             for ids, sequence in zip(ids_list, continuations):
                                 oracle.expect(sequence)
-                                one, one_stats = run(target, [ids], n_new, do_sample=False, assistant_model=drafter,
+                                one, one_stats = run(target, [ids], n_new, assistant_model=drafter, **decoding,
                                                      **kw)
                                 ms, stats = ms + one / len(ids_list), stats + one_stats
                             return ms, stats
                         # this acceptance grows trees (tree buckets, graphs) the warm-up did not reach
                         ms, stats = warmed(over_prompts)
                     records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
-                                        ms_per_token=ms, mode=sorted({s.mode for s in stats}),
+                                        ms_per_token=ms, mode=sorted({s.mode for s in stats}), **(sampling or {}),
                                         **speculation_counts(stats)))
                     if profile_dir is not None and method == "tree" and noises and noise == noises[-1]:
                         profile_call(target, ids_list[-1], n_new, profile_dir / f"profile_tree_{shape}.txt",
@@ -246,14 +263,16 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
                     if kw.get("autoregressive_fallback", True):
                         log_calls(records[-1])
         log_shape_costs(target)
-        for r in records:
-            r["speedup_vs_ar"], r["speedup_vs_stock"] = ar / r["ms_per_token"], stock / r["ms_per_token"]
+        for r in records:      # against SpecLA AR decoding alike (greedy or sampling)
+            same = ar_decoding if "temperature" in r else ar
+            r["speedup_vs_ar"], r["speedup_vs_stock"] = same / r["ms_per_token"], stock / r["ms_per_token"]
         return records
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| shape | method | drafter | noise | tau | ms/token | vs SpecLA AR | vs stock |", "|" + "---|" * 8]
-    lines += [f"| {r['model_shape']} | {r['method']} | {r['drafter'] or '-'} | {r.get('noise', '-')} | {r['tau']:.2f} | "
+    lines = ["| shape | method | drafter | noise | T | tau | ms/token | vs SpecLA AR | vs stock |", "|" + "---|" * 9]
+    lines += [f"| {r['model_shape']} | {r['method']} | {r['drafter'] or '-'} | {r.get('noise', '-')} | "
+              f"{r.get('temperature') or 'greedy'} | {r['tau']:.2f} | "
               f"{r['ms_per_token']:.2f} | {r['speedup_vs_ar']:.2f}x | {r['speedup_vs_stock']:.1f}x |" for r in records]
     return "\n".join(lines)
 
@@ -302,6 +321,10 @@ def main() -> None:
                     help="the attention calls' kernels (verify, prompt chains, the MTP head, the one-token step), "
                          "comma-separated: specla (our masked-attention kernel), SDPA backends (e.g. "
                          "cudnn_attention, efficient_attention, math); empty: SDPA, torch's choice")
+    ap.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy decoding)")
+    ap.add_argument("--top-k", type=int, help="sampling: top-k warper (default: the generation config's)")
+    ap.add_argument("--top-p", type=float, help="sampling: top-p warper (Qwen's configs: 0.95)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="speculative methods, comma-separated")
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="the MTP head's draft vocabulary at the random shapes (0: the whole vocabulary)")
     add_tuning_options(ap)
@@ -318,17 +341,20 @@ def bench(args, backends: tuple[str, ...]) -> None:
     tok = AutoTokenizer.from_pretrained(CHECKPOINTS / "specla-qwen35-tiny")
     ids_list = [tok(t, return_tensors="pt").input_ids[:, :256].to(args.device)
                 for t in prompts(args.eval_dir, args.per_set)]
+    sampling = {k: v for k, v in dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).items()
+                if v is not None} if args.temperature is not None else None
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": str(dtype),
             "prompts": len(ids_list), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
             "tree_attention_backends": list(backends) or "torch's choice", "draft_vocab": args.draft_vocab or None,
-            **tuning_changes(args),
+            **tuning_changes(args), "sampling": sampling,
             "copy_bytes_per_s": copy_bytes_per_s(str(torch.device(args.device)))}
     records = []
     for shape in args.shapes.split(","):
         target, drafters = (trained_pair(dtype, args.device) if shape == "trained" else random_pair(shape, dtype, args.device))
         noises = None if shape == "trained" else [float(x) for x in args.noise.split(",")]
         records += bench_shape(shape, target, drafters, ids_list, args.max_new_tokens, args.stock_prompts, noises,
-                               args.out if args.profile else None, args.draft_vocab)
+                               args.out if args.profile else None, args.draft_vocab, sampling,
+                               args.methods.split(","))
         (args.out / "hybrid_bench.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
         del target, drafters
         if args.device == "cuda":
