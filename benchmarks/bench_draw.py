@@ -4,19 +4,18 @@ reported per call): the frontier rows of the 1.3B GDN drafter (vocabulary 8192) 
 vocabulary, 4 children a row, temperature 0.7 under transformers' default top-k of 50.
 
 - ``draw``: the whole call as the drafter makes it (``ops.draw_children``: the seed drawn on the device, then the
-  kernels: one program a row at 8192 entries; at 32K the warpers in torch, then slices);
+  kernels: one program a row at 8192 entries; at 32K the warpers in slices, then the slices' draws);
 - ``draw_no_top_k``: the call without the top-k warper;
 - ``torch_warpers``: the warpers in torch, then the kernels at temperature 1 (the path of other processors);
 - ``greedy_topk``: a greedy depth's ``ops.row_topk`` of the same rows;
 - ``top_p`` / ``torch_top_p``: Qwen's sampling settings (temperature 0.7, top-k 20, top-p 0.95) through
-  ``ops.draw_children`` (the row kernel at 8192 entries; at 32K the reference's warpers in torch, then the kernels)
-  against transformers' warpers in torch, then the kernels (current version only).
+  ``ops.draw_children`` against transformers' warpers in torch, then the kernels (current version only).
 The target's side of a sampled step, a verified tree's warped probabilities (``ops.warped_probs`` against
 transformers' warpers and a softmax, ``torch_``), at 64 nodes of 8192 entries (the 1.3B GDN shape) and at 16 and
-64 nodes of 248,320 (Qwen3.5), bf16 as the verify pass gives them, with and without top-p; the long rows also
-through ``ops.warped_scores`` (``torch_ops_``) and in slices of 4096 (``slices4096_``). ``--baseline FILE``: the same draft rows for another version of ``draw.py`` (e.g.
-``git show REV:kernels/specla_kernels/draw.py > FILE``), alternated with the current one. Writes
-``--out/bench_draw.json``; tables last.
+64 nodes of 248,320 (Qwen3.5), bf16 as the verify pass gives them, with and without top-p; the long rows also in
+slices of 2048 and 4096 (``slices2048_``, ``slices4096_``), with each launch's time. ``--baseline FILE``: the
+same draft rows for another version of ``draw.py`` (e.g. ``git show REV:kernels/specla_kernels/draw.py > FILE``),
+alternated with the current one. Writes ``--out/bench_draw.json``; tables last.
 
     python benchmarks/bench_draw.py --out OUT [--baseline FILE]
 """
@@ -96,8 +95,9 @@ def top_p_rows(logp: torch.Tensor) -> dict:
 
 def target_record(R: int, V: int, gen: torch.Generator) -> dict:
     """A verified tree's warped probabilities, ``ops.warped_probs`` against transformers' warpers and a softmax;
-    rows longer than one program's also through the torch form (``ops.warped_scores``, the survivors' nucleus)
-    and in slices of 4096 entries (``warped_probs_sliced``, against its default of ``WARP_SLICE``)."""
+    rows longer than one program's also in slices of 2048 and 4096 entries (``warped_probs_sliced``, against its
+    default of ``WARP_SLICE``), and the GPU time of each of its three launches (``stage_us``: slices, merge,
+    write; the profiler's, outside a graph)."""
     logits = (torch.randn(R, V, generator=gen) * 3).to(torch.bfloat16).cuda()    # the verify pass's dtype
     no_context = torch.empty(R, 0, dtype=torch.long, device="cuda")
     record = dict(nodes=R, vocab=V, temperature=TEMPERATURE)
@@ -107,18 +107,33 @@ def target_record(R: int, V: int, gen: torch.Generator) -> dict:
         calls = {"": lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p),
                  "torch_": lambda: warpers(no_context, logits.float()).softmax(-1)}
         if V > ONE_PROGRAM_VOCAB:
-            calls["torch_ops_"] = lambda: ops.warped_scores(logits, TEMPERATURE, top_k, top_p).softmax(-1)
-            calls["slices4096_"] = lambda: warped_probs_sliced(logits, TEMPERATURE, top_k, top_p, block=4096)
+            for block in (2048, 4096):
+                calls[f"slices{block}_"] = (lambda b: lambda: warped_probs_sliced(logits, TEMPERATURE, top_k, top_p,
+                                                                                  block=b))(block)
+            record[f"stage_us_{name}"] = stage_us(lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p))
         for prefix, fn in calls.items():
             record[f"{prefix}{name}_us"] = round(per_call_us(fn), 2)
     return record
+
+
+def stage_us(fn, calls: int = 20) -> dict:
+    """Each kernel's mean GPU time a call of ``fn``, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.device_time_total / calls, 2) for e in prof.key_averages() if e.device_time_total > 0}
 
 
 def table(records: list[dict], first: str) -> None:
     names = sorted({k[:-3] for r in records for k in r if k.endswith("_us")})
     print("\n| " + first + " | " + " | ".join(names) + " |")
     for r in records:
-        cells = [str(min(r[f"{n}_us"])) if isinstance(r[f"{n}_us"], list) else f"{r[f'{n}_us']:.2f}" for n in names]
+        cells = [("-" if f"{n}_us" not in r else str(min(r[f"{n}_us"])) if isinstance(r[f"{n}_us"], list)
+                  else f"{r[f'{n}_us']:.2f}") for n in names]
         print(f"| {' x '.join(str(v) for v in list(r.values())[:2])} | " + " | ".join(cells) + " |")
 
 

@@ -192,48 +192,14 @@ def warped_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float =
     """Rows of scores ``x [R, V]`` after the temperature, top-k and top-p warpers (``top_k`` 0, ``top_p`` 1: none)
     as fp32 probabilities (see ``warped_scores_ref``): on the Triton path the log-probs in one launch for rows of up
     to 16K entries, then their exponentials; longer rows under a top-k warper in slices (three launches); others as
-    torch ops (``warped_scores``)."""
+    the reference's torch ops (a sort of each row under top-p)."""
     top_k = _top_k_that_removes(top_k, x)
     if use_triton(x) and x.shape[-1] <= _draw.ONE_PROGRAM_VOCAB:
         return _draw.warped_log_probs(x, temperature, top_k, torch.empty(x.shape, dtype=torch.float32,
                                                                           device=x.device), top_p).exp_()
     if use_triton(x) and _draw.sliced_warp_fits(x.shape[-1], top_k):
         return _draw.warped_probs_sliced(x, temperature, top_k, top_p)
-    return torch.softmax(warped_scores(x, temperature, top_k, top_p), -1)
-
-
-def warped_scores(x: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0) -> torch.Tensor:
-    """``warped_scores_ref`` as torch ops for rows no kernel takes whole. With a top-k warper before the top-p one
-    the nucleus is found among the ``top_k`` survivors alone, without transformers' sort of the whole row (at a
-    248K vocabulary the costliest op of a sampled step's tail)."""
-    top_k = _top_k_that_removes(top_k, x)
-    if top_p >= 1.0 or not top_k:
-        return reference.warped_scores_ref(x, temperature, top_k, top_p)
-    s = x.float() / temperature
-    values, index = torch.topk(s, top_k, -1)
-    kth = values[:, -1:]
-    s = s.masked_fill(s < kth, float("-inf"))
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    cut = 1.0 - top_p
-    # the survivors tied at the lowest kept score (more than topk returned, where ties reach past it) come first in
-    # ascending order, lowest index first: the j-th of them has summed j of their probability
-    at_kth = s == kth
-    tied_rank = at_kth.cumsum(-1)
-    n_kth = tied_rank[:, -1:]
-    p_kth = (kth - lse).exp()
-    all_tied = values[:, :1] == kth                      # then the last of them is the row's last: kept
-    remove = at_kth & (tied_rank * p_kth <= cut) & ((tied_rank < n_kth) | ~all_tied)
-    # the survivors above them are all among topk's values; each one's running sum in ascending (score, index)
-    # order, from pairwise comparisons of the top_k (no sort: the order of ties stays the indices')
-    above = values > kth
-    p_above = torch.where(above, (values - lse).exp(), 0.)
-    v_i, v_j, i_i, i_j = values[:, None, :], values[:, :, None], index[:, None, :], index[:, :, None]
-    at_or_before = (v_i < v_j) | ((v_i == v_j) & (i_i <= i_j))          # [R, j, i]: i comes at or before j
-    running = n_kth * p_kth + torch.where(at_or_before, p_above[:, None, :], 0.).sum(-1)   # (no TF32 matmul)
-    last = (at_or_before & above[:, None, :]).sum(-1) == above.sum(-1, keepdim=True)      # the row's largest
-    gone = above & (running <= cut) & ~last
-    remove = remove.scatter(-1, index, gone | remove.gather(-1, index))
-    return s.masked_fill(remove, float("-inf"))
+    return torch.softmax(reference.warped_scores_ref(x, temperature, top_k, top_p), -1)
 
 
 def expand_frontier(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,
