@@ -1144,7 +1144,8 @@ def test_nucleus_with_ties_equals_reference(device):
 def test_warped_probs_sliced_equals_reference(device):
     """Long rows under a top-k warper in slices (``warped_probs_sliced``): exactly the reference's entries kept and
     its probabilities to rounding, with the top-p warper and without; rows of a few distinct scores (ties at both
-    thresholds, within a slice and across slices, more of them than a slice lists), rows of distinct scores, bf16,
+    thresholds, within a slice and across slices, more of them than a slice lists), rows of distinct scores, with a
+    few large ones (the slices' value bisection past its first midpoint), bf16,
     a strided view, -inf entries, a slice all -inf, top-p 0 (the last of the largest alone) and a top-k keeping
     every finite entry; the log-probs alike. On CUDA a long draft row's draws through ``ops.draw_children``."""
     from specla_kernels.draw import sliced_warp_fits, warped_probs_sliced
@@ -1152,7 +1153,8 @@ def test_warped_probs_sliced_equals_reference(device):
     block = 64 if device == "cpu" else 1024
     cases = [(2, 700, 5, 0.3, 0.8, "ties"), (3, 1000, 20, 0.95, 1.0, "ties"), (2, 513, 1, 0.9, 0.6, "ties"),
              (2, 900, 50, 1.0, 0.95, "normal"), (3, 650, 8, 0.5, 1.3, "normal"), (1, 300, 7, 0.0, 1.0, "ties"),
-             (2, 400, 30, 0.7, 0.7, "bf16"), (2, 800, 12, 0.9, 1.0, "strided"), (2, 500, 16, 0.9, 1.0, "inf")]
+             (2, 400, 30, 0.7, 0.7, "bf16"), (2, 800, 12, 0.9, 1.0, "strided"), (2, 5 * block + 7, 16, 0.9, 1.0, "inf"),
+             (3, 300, 8, 1.0, 1.0, "peaked"), (3, 700, 5, 0.9, 0.8, "peaked"), (2, 4000, 40, 0.95, 0.7, "peaked")]
     cases += [(int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(block + 1, 10 * block, (1,),
                                                                                   generator=gen)),
                int(torch.randint(1, 40, (1,), generator=gen)), [1.0, float(torch.rand((), generator=gen))][i % 2],
@@ -1163,6 +1165,8 @@ def test_warped_probs_sliced_equals_reference(device):
         else:
             x = torch.randn(R, 2 * V if kind == "strided" else V, generator=gen) * 3
             x = x[:, ::2] if kind == "strided" else x.to(torch.bfloat16 if kind == "bf16" else torch.float32)
+        if kind == "peaked":
+            x[:, ::61] += 40.                                  # a few large scores, as real logits have
         if kind == "inf":
             x[0, :2 * block] = float("-inf")                   # whole slices of nothing
             x[1, 5:] = float("-inf")                           # fewer finite entries than the top-k keeps

@@ -23,9 +23,11 @@ it, in three launches:
 A verified tree's warped rows at a target's vocabulary (Qwen3.5's 248K) under a top-k warper
 (``warped_probs_sliced``) need no sort and no pass of one program over a whole row, in three launches:
 
-1. One program per slice: the slice's ``top_k``-th largest scaled score ``t_s`` (bisection over the order keys),
-   the entries above it (fewer than ``top_k``) compacted, and how many equal it. Every survivor of the row's
-   top-k warper is among them: the row's threshold is at least every slice's.
+1. One program per slice lists a few of its entries, compacted: those at or above a scaled score ``t_s`` that at
+   least ``top_k`` and at most four times as many reach, by bisection over the values with an early exit (a few
+   passes where 32 would find the exact ``top_k``-th score); where ties defeat that, those above the exact
+   ``top_k``-th score and how many equal it. Every survivor of the row's top-k warper is among them: the row's
+   threshold is at least every slice's ``top_k``-th score.
 2. One program per row, over those candidates with their multiplicities: the row's top-k threshold, the nucleus's
    threshold and how many of the entries tied at it (in index order) it removes, the normaliser, and per slice how
    many entries are tied at the nucleus's threshold.
@@ -43,6 +45,7 @@ from specla_kernels.topk import NO_INDEX, top_k_slots
 MAX_DRAWS = 16
 ONE_PROGRAM_VOCAB = 16384     # rows up to this long are drawn by one program each (32 entries a thread)
 WARP_SLICE = 8192             # ``warped_probs_sliced``'s slice of a long row
+VALUE_PASSES = 16             # its value bisection's passes at most before the exact one
 
 
 @triton.jit
@@ -293,38 +296,59 @@ def _masses_at_most(key, p, mid):
 
 @triton.jit
 def warp_slices_kernel(x, stride_x, cand_v, n_above, group_v, group_c, V, NB, temperature, TOP_K: tl.constexpr,
-                       KP: tl.constexpr, BLOCK: tl.constexpr):
+                       CAP: tl.constexpr, BLOCK: tl.constexpr, VALUE_PASSES: tl.constexpr):
     # a slice's share of a long row's top-k survivors (module docstring, "A verified tree's warped rows", 1)
     i_s, row = tl.program_id(0), tl.program_id(1)
     cols = i_s * BLOCK + tl.arange(0, BLOCK)
     s = _scaled(x, stride_x, row, cols, V, temperature)
     finite = s > float("-inf")
     key = _order_keys(s)
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
-        lo, hi = _halve(lo, hi, mid, tl.sum((finite & (key >= mid.to(tl.int32))).to(tl.int32), 0), TOP_K)
-    t = lo.to(tl.int32)                 # the lowest key when the slice holds fewer finite entries: all are above
-    above = finite & (key > t)
+    # listed: the keys above t. At most CAP finite entries: all. Else a key keeping TOP_K to CAP of them, by
+    # bisection over the scores' values, stopping once found (a few passes on real logits); failing that (ties),
+    # the TOP_K-th largest key exactly, by bisection over the keys, and the entries at it as one group
+    n = tl.sum(finite.to(tl.int32), 0)
+    t = tl.full([], -2147483648, tl.int32)
+    searching = n > CAP
+    lo = tl.min(tl.where(finite, s, float("inf")), 0)
+    hi = tl.max(s, 0)
+    passes = 0
+    while searching & (passes < VALUE_PASSES):
+        mid_key = _order_keys(lo + (hi - lo) * 0.5)
+        n = tl.sum((finite & (key >= mid_key)).to(tl.int32), 0)
+        searching = (n > CAP) | (n < TOP_K)
+        t = tl.where(searching, t, mid_key - 1)
+        lo = tl.where(n > CAP, _key_score(mid_key), lo)
+        hi = tl.where(n < TOP_K, _key_score(mid_key), hi)
+        passes += 1
+    tied = tl.zeros([], tl.int32)
+    if searching:
+        lo_key = tl.full([], -2147483648, tl.int64)
+        hi_key = tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = lo_key + (hi_key - lo_key + 1) // 2
+            lo_key, hi_key = _halve(lo_key, hi_key, mid,
+                                    tl.sum((finite & (key >= mid.to(tl.int32))).to(tl.int32), 0), TOP_K)
+        t = lo_key.to(tl.int32)
+        tied = tl.sum((finite & (key == t)).to(tl.int32), 0)
+    listed = finite & (key > t)
     at = row.to(tl.int64) * NB + i_s
-    tl.store(cand_v + at * KP + tl.cumsum(above.to(tl.int32), 0) - 1, s, mask=above)
-    tl.store(n_above + at, tl.sum(above.to(tl.int32), 0))
+    tl.store(cand_v + at * CAP + tl.cumsum(listed.to(tl.int32), 0) - 1, s, mask=listed)
+    tl.store(n_above + at, tl.sum(listed.to(tl.int32), 0))
     tl.store(group_v + at, _key_score(t))
-    tl.store(group_c + at, tl.sum((finite & (key == t)).to(tl.int32), 0))
+    tl.store(group_c + at, tied)
 
 
 @triton.jit
 def warp_merge_kernel(cand_v, n_above, group_v, group_c, tied, thr, removed, lse, NB, top_p, TOP_K: tl.constexpr,
-                      TOP_P: tl.constexpr, KP: tl.constexpr, BNB: tl.constexpr):
+                      TOP_P: tl.constexpr, CAP: tl.constexpr, BNB: tl.constexpr):
     # a long row's thresholds and normaliser from its slices' candidates (module docstring, 2): the candidates
-    # above each slice's threshold [BNB, KP] count once, each slice's entries at its threshold as one group
+    # each slice listed [BNB, CAP] count once, a slice's entries at its exact threshold as one group
     row = tl.program_id(0)
     b = tl.arange(0, BNB)
     at = row.to(tl.int64) * NB + b
     n = tl.load(n_above + at, mask=b < NB, other=0)
-    listed = tl.arange(0, KP)[None, :] < n[:, None]
-    v = tl.load(cand_v + at[:, None] * KP + tl.arange(0, KP)[None, :], mask=listed, other=float("-inf"))
+    listed = tl.arange(0, CAP)[None, :] < n[:, None]
+    v = tl.load(cand_v + at[:, None] * CAP + tl.arange(0, CAP)[None, :], mask=listed, other=float("-inf"))
     kv = _order_keys(v)
     gc = tl.load(group_c + at, mask=b < NB, other=0)
     gv = tl.where(gc > 0, tl.load(group_v + at, mask=b < NB, other=float("-inf")), float("-inf"))
@@ -389,11 +413,17 @@ def warp_write_kernel(x, stride_x, tied, thr, removed, lse, out, stride_o, V, NB
     tl.store(out + row.to(tl.int64) * stride_o + cols, res, mask=cols < V)
 
 
+def _slots(top_k: int) -> int:
+    """Candidates a slice lists at most under a top-k warper of ``top_k`` (its value bisection stops between
+    ``top_k`` and this many)."""
+    return 4 * triton.next_power_of_2(top_k)
+
+
 def sliced_warp_fits(V: int, top_k: int, block: int = WARP_SLICE) -> bool:
     """Whether ``warped_probs_sliced`` takes rows of ``V`` entries under a top-k warper of ``top_k``: the slices'
     candidates fit one program (``ONE_PROGRAM_VOCAB``)."""
-    return 0 < top_k < V and triton.next_power_of_2(triton.cdiv(V, block)) * triton.next_power_of_2(top_k) \
-        <= ONE_PROGRAM_VOCAB
+    return 0 < top_k < V and max(2, triton.next_power_of_2(triton.cdiv(V, min(block, triton.next_power_of_2(V))))) \
+        * _slots(top_k) <= ONE_PROGRAM_VOCAB
 
 
 def warped_probs_sliced(x: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0,
@@ -408,10 +438,10 @@ def warped_probs_sliced(x: torch.Tensor, temperature: float, top_k: int, top_p: 
                          f"slices of {block}: use reference.warped_scores_ref")
     x = x if x.stride(-1) == 1 else x.contiguous()
     BLOCK = min(block, triton.next_power_of_2(V))
-    NB, KP = triton.cdiv(V, BLOCK), triton.next_power_of_2(top_k)
+    NB, CAP = triton.cdiv(V, BLOCK), _slots(top_k)
     BNB = max(2, triton.next_power_of_2(NB))
     dev, f32, i32 = x.device, torch.float32, torch.int32
-    cand_v = torch.empty(R, NB, KP, dtype=f32, device=dev)
+    cand_v = torch.empty(R, NB, CAP, dtype=f32, device=dev)
     n_above, group_c, tied = (torch.empty(R, NB, dtype=i32, device=dev) for _ in range(3))
     group_v = torch.empty(R, NB, dtype=f32, device=dev)
     thr, removed = torch.empty(R, dtype=i32, device=dev), torch.empty(R, dtype=i32, device=dev)
@@ -419,9 +449,9 @@ def warped_probs_sliced(x: torch.Tensor, temperature: float, top_k: int, top_p: 
     out = torch.empty(R, V, dtype=f32, device=dev)
     warps = max(1, min(16, BLOCK // 1024))
     warp_slices_kernel[(NB, R)](x, x.stride(0), cand_v, n_above, group_v, group_c, V, NB, temperature, TOP_K=top_k,
-                                KP=KP, BLOCK=BLOCK, num_warps=warps)
+                                CAP=CAP, BLOCK=BLOCK, VALUE_PASSES=VALUE_PASSES, num_warps=warps)
     warp_merge_kernel[(R,)](cand_v, n_above, group_v, group_c, tied, thr, removed, lse, NB, top_p, TOP_K=top_k,
-                            TOP_P=top_p < 1.0, KP=KP, BNB=BNB, num_warps=max(1, min(8, BNB * KP // 512)))
+                            TOP_P=top_p < 1.0, CAP=CAP, BNB=BNB, num_warps=max(1, min(8, BNB * CAP // 512)))
     warp_write_kernel[(NB, R)](x, x.stride(0), tied, thr, removed, lse, out, out.stride(0), V, NB, temperature,
                                BLOCK=BLOCK, BNB=BNB, LOG=log, num_warps=warps)
     return out
