@@ -13,7 +13,7 @@ vocabulary, 4 children a row, temperature 0.7 under transformers' default top-k 
 The target's side of a sampled step, a verified tree's warped probabilities (``ops.warped_probs`` against
 transformers' warpers and a softmax, ``torch_``), at 64 nodes of 8192 entries (the 1.3B GDN shape) and at 16 and
 64 nodes of 248,320 (Qwen3.5), bf16 as the verify pass gives them, with and without top-p; the long rows also in
-slices of 2048 and 4096 (``slices2048_``, ``slices4096_``), with each launch's time. ``--baseline FILE``: the
+slices of 4096 and 16384 (``slices4096_``, ``slices16384_``), with each launch's time. ``--baseline FILE``: the
 same draft rows for another version of ``draw.py`` (e.g. ``git show REV:kernels/specla_kernels/draw.py > FILE``),
 alternated with the current one. Writes ``--out/bench_draw.json``; tables last.
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import bench_graph  # noqa: E402
 
 from specla_kernels import ops  # noqa: E402
-from specla_kernels.draw import ONE_PROGRAM_VOCAB, warped_probs_sliced  # noqa: E402
+from specla_kernels.draw import ONE_PROGRAM_VOCAB, sliced_warp_fits, warped_probs_sliced  # noqa: E402
 
 REPEAT = 10          # calls a graph holds: the replay's own launch cost is spread over them
 SHAPES = [(1, 8192), (4, 8192), (1, 32768), (4, 32768)]      # (frontier rows, vocabulary)
@@ -95,9 +95,9 @@ def top_p_rows(logp: torch.Tensor) -> dict:
 
 def target_record(R: int, V: int, gen: torch.Generator) -> dict:
     """A verified tree's warped probabilities, ``ops.warped_probs`` against transformers' warpers and a softmax;
-    rows longer than one program's also in slices of 2048 and 4096 entries (``warped_probs_sliced``, against its
-    default of ``WARP_SLICE``), and the GPU time of each of its three launches (``stage_us``: slices, merge,
-    write; the profiler's, outside a graph)."""
+    rows longer than one program's also in slices of 4096 and 16384 entries where they fit (``warped_probs_sliced``,
+    against its default of ``WARP_SLICES``), and the GPU time of each of its three launches (``stage_us``: slices,
+    merge, write; the profiler's, outside a graph)."""
     logits = (torch.randn(R, V, generator=gen) * 3).to(torch.bfloat16).cuda()    # the verify pass's dtype
     no_context = torch.empty(R, 0, dtype=torch.long, device="cuda")
     record = dict(nodes=R, vocab=V, temperature=TEMPERATURE)
@@ -107,9 +107,10 @@ def target_record(R: int, V: int, gen: torch.Generator) -> dict:
         calls = {"": lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p),
                  "torch_": lambda: warpers(no_context, logits.float()).softmax(-1)}
         if V > ONE_PROGRAM_VOCAB:
-            for block in (2048, 4096):
-                calls[f"slices{block}_"] = (lambda b: lambda: warped_probs_sliced(logits, TEMPERATURE, top_k, top_p,
-                                                                                  block=b))(block)
+            for block in (4096, 16384):
+                if sliced_warp_fits(V, top_k, block):
+                    calls[f"slices{block}_"] = (lambda b: lambda: warped_probs_sliced(logits, TEMPERATURE, top_k,
+                                                                                      top_p, block=b))(block)
             record[f"stage_us_{name}"] = stage_us(lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p))
         for prefix, fn in calls.items():
             record[f"{prefix}{name}_us"] = round(per_call_us(fn), 2)

@@ -21,7 +21,8 @@ it, in three launches:
 3. One program per slice writes the row's log-probs.
 
 A verified tree's warped rows at a target's vocabulary (Qwen3.5's 248K) under a top-k warper
-(``warped_probs_sliced``) need no sort and no pass of one program over a whole row, in three launches:
+(``warped_probs_sliced``, slices of 4096 or 8192 entries) need no sort and no pass of one program over a whole row,
+in three launches:
 
 1. One program per slice lists a few of its entries, compacted: those at or above a scaled score ``t_s`` that at
    least ``top_k`` and at most four times as many reach, by bisection over the values with an early exit (a few
@@ -44,7 +45,9 @@ from specla_kernels.topk import NO_INDEX, top_k_slots
 
 MAX_DRAWS = 16
 ONE_PROGRAM_VOCAB = 16384     # rows up to this long are drawn by one program each (32 entries a thread)
-WARP_SLICE = 8192             # ``warped_probs_sliced``'s slice of a long row
+# ``warped_probs_sliced``'s slices of a long row, the first whose candidates fit one program (64 rows of 248K under
+# a top-k of 50: 141 us in slices of 4096, 192 in 8192; an H100)
+WARP_SLICES = (4096, 8192)
 VALUE_PASSES = 16             # its value bisection's passes at most before the exact one
 
 
@@ -419,23 +422,27 @@ def _slots(top_k: int) -> int:
     return 4 * triton.next_power_of_2(top_k)
 
 
-def sliced_warp_fits(V: int, top_k: int, block: int = WARP_SLICE) -> bool:
-    """Whether ``warped_probs_sliced`` takes rows of ``V`` entries under a top-k warper of ``top_k``: the slices'
-    candidates fit one program (``ONE_PROGRAM_VOCAB``)."""
+def sliced_warp_fits(V: int, top_k: int, block: int | None = None) -> bool:
+    """Whether ``warped_probs_sliced`` takes rows of ``V`` entries under a top-k warper of ``top_k`` in slices of
+    ``block`` entries (``None``: of any of ``WARP_SLICES``): the slices' candidates fit one program
+    (``ONE_PROGRAM_VOCAB``)."""
+    if block is None:
+        return any(sliced_warp_fits(V, top_k, b) for b in WARP_SLICES)
     return 0 < top_k < V and max(2, triton.next_power_of_2(triton.cdiv(V, min(block, triton.next_power_of_2(V))))) \
         * _slots(top_k) <= ONE_PROGRAM_VOCAB
 
 
 def warped_probs_sliced(x: torch.Tensor, temperature: float, top_k: int, top_p: float = 1.0,
-                        block: int = WARP_SLICE, log: bool = False) -> torch.Tensor:
+                        block: int | None = None, log: bool = False) -> torch.Tensor:
     """``softmax(warped_scores_ref(x, temperature, top_k, top_p))`` (``log``: its log) as fp32 for long rows
-    ``x [R, V]`` under a top-k warper (``sliced_warp_fits``), in slices of ``block`` entries: three launches (module
-    docstring)."""
+    ``x [R, V]`` under a top-k warper (``sliced_warp_fits``), in slices of ``block`` entries (``None``: the first of
+    ``WARP_SLICES`` that fits): three launches (module docstring)."""
     R, V = x.shape
     if not sliced_warp_fits(V, top_k, block):
         raise ValueError(f"warped_probs_sliced takes a top-k warper of 1 to {V - 1} entries whose slices' "
                          f"candidates fit one program ({ONE_PROGRAM_VOCAB}), got top_k {top_k} over {V} entries in "
-                         f"slices of {block}: use reference.warped_scores_ref")
+                         f"slices of {block or WARP_SLICES}: use reference.warped_scores_ref")
+    block = block or next(b for b in WARP_SLICES if sliced_warp_fits(V, top_k, b))
     x = x if x.stride(-1) == 1 else x.contiguous()
     BLOCK = min(block, triton.next_power_of_2(V))
     NB, CAP = triton.cdiv(V, BLOCK), _slots(top_k)
