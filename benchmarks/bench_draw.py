@@ -22,6 +22,7 @@ alternated with the current one. Writes ``--out/bench_draw.json``; tables last.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import sys
@@ -109,8 +110,8 @@ def target_record(R: int, V: int, gen: torch.Generator) -> dict:
         if V > ONE_PROGRAM_VOCAB:
             for block in (4096, 16384):
                 if sliced_warp_fits(V, top_k, block):
-                    calls[f"slices{block}_"] = (lambda b: lambda: warped_probs_sliced(logits, TEMPERATURE, top_k,
-                                                                                      top_p, block=b))(block)
+                    calls[f"slices{block}_"] = functools.partial(warped_probs_sliced, logits, TEMPERATURE, top_k,
+                                                                 top_p, block=block)
             record[f"stage_us_{name}"] = stage_us(lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p))
         for prefix, fn in calls.items():
             record[f"{prefix}{name}_us"] = round(per_call_us(fn), 2)

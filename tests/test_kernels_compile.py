@@ -164,7 +164,7 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
             "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel",
             "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_rank_kernel",
             "draw_row_kernel", "draw_slices_kernel", "draw_merge_kernel",
-            "draw_logq_kernel"} <= names, names
+            "draw_logq_kernel", "warp_slices_kernel", "warp_merge_kernel", "warp_write_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",

@@ -11,9 +11,8 @@ scores' 32-bit order), the log-softmax's normaliser, the Gumbel keys (uniforms f
 memory, so a CUDA graph replays fresh draws), the ``K`` largest keys (the draws, in draw order), their log-probs and
 sibling ranks (fp64), and the row's log-probs (``-inf`` where removed: the acceptance's ``q``). One launch a depth.
 
-A longer row (a 32K draft vocabulary) comes warped (``ops.draw_children`` applies the warpers in torch first:
-``torch.topk`` takes a 32K row's threshold faster than one program's counting passes) and is spread over slices of
-it, in three launches:
+A longer row (a 32K draft vocabulary) comes warped (``ops.draw_children`` applies the warpers first, in slices by
+``warped_probs_sliced`` below) and is spread over slices of it, in three launches:
 
 1. One program per slice: its entries' max and sum of exponentials (the normaliser, in parts), their Gumbel keys
    and the slice's ``K`` largest keys.
@@ -75,6 +74,18 @@ def _halve(lo, hi, mid, count, TOP_K: tl.constexpr):
     """One bisection step for the largest key ``t`` with at least ``TOP_K`` keys ``>= t``: ``count`` keys are
     ``>= mid``."""
     return tl.where(count >= TOP_K, mid, lo), tl.where(count >= TOP_K, hi, mid - 1)
+
+
+@triton.jit
+def _kth_key(key, counted, TOP_K: tl.constexpr):
+    """The largest order key ``t`` with at least ``TOP_K`` of the ``counted`` keys ``>= t``, by bisection over the
+    2^32 keys (32 counting passes); the lowest key where fewer are counted."""
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        lo, hi = _halve(lo, hi, mid, tl.sum((counted & (key >= mid.to(tl.int32))).to(tl.int32), 0), TOP_K)
+    return lo.to(tl.int32)
 
 
 @triton.jit
@@ -141,6 +152,12 @@ def _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, toke
 
 
 @triton.jit
+def _masses_at_most(key, p, mid):
+    """The mass ``p`` of the keys at or below ``mid`` (any shape)."""
+    return tl.sum(tl.where(key <= mid.to(tl.int32), p, 0.))
+
+
+@triton.jit
 def _nucleus(s, cols, top_p, INDEX_STEPS: tl.constexpr):
     """A whole row's scaled scores ``s`` (``-inf`` where removed) after the top-p warper (``nucleus_mask_ref``):
     the smallest order key ``t`` whose mass at or below it exceeds the ``1 - top_p`` cut, by bisection (32 passes),
@@ -155,7 +172,7 @@ def _nucleus(s, cols, top_p, INDEX_STEPS: tl.constexpr):
     hi = tl.full([], 2147483647, tl.int64)
     for _ in range(32):
         mid = lo + (hi - lo) // 2
-        over = tl.sum(tl.where(key <= mid.to(tl.int32), p, 0.), 0) > cut
+        over = _masses_at_most(key, p, mid) > cut
         lo, hi = tl.where(over, lo, mid + 1), tl.where(over, mid, hi)
     t = lo.to(tl.int32)
     below = tl.sum(tl.where(key < t, p, 0.), 0)
@@ -180,13 +197,7 @@ def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank,
     cols = tl.arange(0, BLOCK)
     s = _scaled(x, stride_x, row, cols, V, temperature)
     if TOP_K > 0:
-        key = _order_keys(s)
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        for _ in range(32):
-            mid = lo + (hi - lo + 1) // 2
-            lo, hi = _halve(lo, hi, mid, tl.sum(((key >= mid.to(tl.int32)) & (cols < V)).to(tl.int32), 0), TOP_K)
-        s = tl.where(s >= _key_score(lo), s, float("-inf"))
+        s = tl.where(s >= _key_score(_kth_key(_order_keys(s), cols < V, TOP_K)), s, float("-inf"))
     if TOP_P:
         s = _nucleus(s, cols, top_p, INDEX_STEPS)
     top = tl.max(s, 0)
@@ -243,8 +254,8 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     F, V = x.shape
     if (top_k or top_p < 1.0) and V > one_program:
         raise ValueError(f"draw_children applies the top-k and top-p warpers to rows of at most {one_program} "
-                         f"entries, got {V}: warp longer rows first (reference.warped_scores_ref) and draw with "
-                         "temperature 1 and no warpers")
+                         f"entries, got {V}: warp longer rows first (warped_probs_sliced with log=True, or "
+                         "reference.warped_scores_ref) and draw with temperature 1 and no warpers")
     x = x if x.stride(-1) == 1 else x.contiguous()
     KP = triton.next_power_of_2(k)
     dev, f32 = x.device, torch.float32
@@ -292,12 +303,6 @@ def warped_log_probs(x: torch.Tensor, temperature: float, top_k: int, out: torch
 
 
 @triton.jit
-def _masses_at_most(key, p, mid):
-    """The mass ``p`` of the keys at or below ``mid`` (any shape)."""
-    return tl.sum(tl.where(key <= mid.to(tl.int32), p, 0.))
-
-
-@triton.jit
 def warp_slices_kernel(x, stride_x, cand_v, n_above, group_v, group_c, V, NB, temperature, TOP_K: tl.constexpr,
                        CAP: tl.constexpr, BLOCK: tl.constexpr, VALUE_PASSES: tl.constexpr):
     # a slice's share of a long row's top-k survivors (module docstring, "A verified tree's warped rows", 1)
@@ -325,13 +330,7 @@ def warp_slices_kernel(x, stride_x, cand_v, n_above, group_v, group_c, V, NB, te
         passes += 1
     tied = tl.zeros([], tl.int32)
     if searching:
-        lo_key = tl.full([], -2147483648, tl.int64)
-        hi_key = tl.full([], 2147483647, tl.int64)
-        for _ in range(32):
-            mid = lo_key + (hi_key - lo_key + 1) // 2
-            lo_key, hi_key = _halve(lo_key, hi_key, mid,
-                                    tl.sum((finite & (key >= mid.to(tl.int32))).to(tl.int32), 0), TOP_K)
-        t = lo_key.to(tl.int32)
+        t = _kth_key(key, finite, TOP_K)
         tied = tl.sum((finite & (key == t)).to(tl.int32), 0)
     listed = finite & (key > t)
     at = row.to(tl.int64) * NB + i_s
