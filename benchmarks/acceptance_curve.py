@@ -193,6 +193,15 @@ def run(target, ids_list, n_new, **kwargs) -> tuple[float, list]:
     return 1e3 * seconds / tokens, stats
 
 
+def ar_ms_torch_warpers(target, ids_list, n_new, **decoding) -> float:
+    """SpecLA AR sampling with transformers' warpers inside its step (``draw_warpers`` off) in place of the warp
+    kernels, timed as ``run``: what the kernels save the sampled step."""
+    with tuning.using(draw_warpers=False):
+        run(target, ids_list[:1], 4, specla=True, **decoding)         # its graph
+        torch.manual_seed(1)
+        return run(target, ids_list, n_new, specla=True, **decoding)[0]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--eval-dir", type=Path, required=True)
@@ -310,7 +319,10 @@ def measure(args) -> None:
     noise.set(0.0)
     for temp in map(float, args.temperatures.split(",")):
         ar[temp] = ar_ms(True, temp)
-        log(f"graph AR sampling at T {temp}: {ar[temp]:.3f} ms/token")
+        torch_warpers = meta.setdefault("graph_ar_torch_warpers_ms_per_token", {})
+        torch_warpers[temp] = ar_ms_torch_warpers(target, ids_list, n, do_sample=True, temperature=temp, **sampling)
+        log(f"graph AR sampling at T {temp}: {ar[temp]:.3f} ms/token ({torch_warpers[temp]:.3f} with transformers' "
+            "warpers in its step)")
         for method in args.methods.split(","):
             drafter, kw = METHODS[method]
             for fallback in ((False, True) if method == "tree" else (False,)):

@@ -18,7 +18,8 @@ ran as CUDA graphs), graph_ar_step_ms (its decode step alone), stock_ms_per_toke
 step's least time, ``acceptance_curve.weight_floor_ms``)) and ``hybrid_bench.png``, and prints a table last. Every speculative run has the fallback to
 autoregressive decoding off (what speculation costs), except the ``tree_default`` method (what a user gets).
 ``--temperature`` (with ``--top-k`` / ``--top-p``) samples instead, against SpecLA AR sampling alike (records carry
-the warpers' settings); ``--methods`` picks the speculative methods.
+the warpers' settings), and times that AR step also with transformers' warpers in place of the warp kernels
+(``specla_ar_torch_warpers``); ``--methods`` picks the speculative methods.
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 import specla_hf
-from acceptance_curve import (add_tuning_options, copy_bytes_per_s, log, log_calls, log_shape_costs, prompts, run,
-                              speculation_counts, tuning_changes, warmed, weight_floor_ms)
+from acceptance_curve import (add_tuning_options, ar_ms_torch_warpers, copy_bytes_per_s, log, log_calls,
+                              log_shape_costs, prompts, run, speculation_counts, tuning_changes, warmed,
+                              weight_floor_ms)
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
 from specla_kernels import tuning
@@ -227,9 +229,11 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
         records = [dict(base, method="stock", drafter=None, noise=None, tau=1.0, ms_per_token=stock),
                    dict(base, method="specla_ar", drafter=None, noise=None, tau=1.0, ms_per_token=ar)]
         if sampling:
-            records.append(dict(base, method="specla_ar", drafter=None, noise=None, tau=1.0, **sampling,
-                                ms_per_token=ar_decoding))
-            log(f"{shape}: SpecLA AR sampling ({sampling}) {ar_decoding:.2f} ms/token")
+            torch_warpers = ar_ms_torch_warpers(target, ids_list, n_new, **decoding)
+            records += [dict(base, method=method, drafter=None, noise=None, tau=1.0, **sampling, ms_per_token=ms)
+                        for method, ms in (("specla_ar", ar_decoding), ("specla_ar_torch_warpers", torch_warpers))]
+            log(f"{shape}: SpecLA AR sampling ({sampling}) {ar_decoding:.2f} ms/token, {torch_warpers:.2f} with "
+                "transformers' warpers in its step")
         log(f"{shape}: stock {stock:.2f} ms/token, SpecLA AR {ar:.2f} ms/token ({ar_step:.3f} ms a decode step, "
             f"{ar_step / base['weight_floor_ms']:.2f}x the weight floor of {base['weight_floor_ms']:.3f} ms)")
         for name, drafter in drafters.items():

@@ -52,18 +52,25 @@ def test_autoregressive_loop_equals_stock_generate(graphs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_sampled_autoregressive_step_on_cuda_draws_as_stock():
-    """On a GPU, sampling with row-wise processors runs as one CUDA graph per token (the draw inside it): a seeded
-    run draws stock generate's tokens, its first call (which captures) included."""
-    model = tiny_gdn(seed=73).cuda()
+@pytest.mark.parametrize("vocab", [97, 40000])
+def test_sampled_autoregressive_step_on_cuda_draws_as_stock(vocab, monkeypatch):
+    """On a GPU, sampling with row-wise processors runs as one CUDA graph per token, the draw inside it and the
+    warpers as kernels (one row at 97 entries, slices at 40000): a seeded run draws stock generate's tokens, its
+    first call (which captures) included."""
+    from specla_kernels import ops
+    warps, warped_probs = [], ops.warped_probs
+    monkeypatch.setattr(ops, "warped_probs", lambda *args: warps.append(args) or warped_probs(*args))
+    model = tiny_gdn(seed=73, vocab=vocab).cuda()
     ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(73)).cuda()
-    for seed in range(3):
-        call = dict(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.9)
+    for seed, warpers in enumerate([dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=20, top_p=0.95),
+                                    dict(temperature=1.0, top_k=50)]):
+        call = dict(max_new_tokens=24, do_sample=True, **warpers)
         torch.manual_seed(seed)
         stock = model.generate(ids, **call)
         torch.manual_seed(seed)
-        assert torch.equal(model.generate(ids, specla=True, **call), stock), seed
+        assert torch.equal(model.generate(ids, specla=True, **call), stock), (seed, warpers)
     assert [k for k in adapter_for(model).graphs.calls if k[0] == "ar step" and len(k) > 1]
+    assert warps, "the warpers did not run as kernels"
 
 
 def test_speculation_that_does_not_pay_falls_back_losslessly(bad_drafter, monkeypatch):

@@ -2,7 +2,8 @@
 
 The target consumes the pending token and chooses the next one, with the logits processors and the sampling rule of
 transformers' own loop (``GenerationMixin._sample``: the last position's logits in fp32, the processors, then argmax
-or one multinomial draw), so greedy output equals stock ``generate`` and a seeded sampling run draws the same tokens.
+or one multinomial draw), so greedy output equals stock ``generate`` and a seeded sampling run draws the same tokens
+(on the GPU, where the warpers are kernels, up to draws that rounding decides: ``acceptance.sampling_probs``).
 Plain greedy decoding, and sampling under processors that treat each row of scores alone (``row_wise``: temperature,
 top-k, top-p, min-p), is one captured call per token that writes the next token into its own input (``ARStep``), and
 each token is read back while the GPU already computes the next one.
@@ -14,7 +15,7 @@ import time
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from specla_hf.loop.acceptance import processor_key, row_wise, row_wise_probs
+from specla_hf.loop.acceptance import kernel_warpers, processor_key, row_wise, sampling_probs
 from specla_hf.runtime.transfer import HostCopy, copy_in, to_device
 
 
@@ -32,15 +33,17 @@ class ARStep:
 
     @staticmethod
     def key_for(sampling: LogitsProcessorList | None) -> tuple:
-        """The captured call's key: one per sampling rule."""
-        return ("ar step",) if sampling is None else ("ar step", processor_key(sampling))
+        """The captured call's key: one per sampling rule and where its warpers run (``sampling_probs``)."""
+        if sampling is None:
+            return ("ar step",)
+        return ("ar step", processor_key(sampling), kernel_warpers(sampling) is not None)
 
     def _advance(self) -> None:
         logits = self.target.compute(self.token, self.cache, None, slice(-1, None), ()).logits[:, -1]
         if self.sampling is None:
             self.token.copy_(logits.argmax(-1, keepdim=True))
             return
-        self.token.copy_(torch.multinomial(row_wise_probs(self.sampling, logits), num_samples=1))
+        self.token.copy_(torch.multinomial(sampling_probs(self.sampling, logits), num_samples=1))
 
     def __call__(self) -> None:
         graphs = self.target.graphs

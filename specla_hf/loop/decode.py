@@ -29,7 +29,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from specla_hf.loop.acceptance import (ROW_WISE_PROCESSORS, DeviceAcceptance, accept_path, greedy_accept,
-                                      kernel_warpers, processor_key, row_wise, sample_accept, tree_probs)
+                                      kernel_warpers, processor_key, row_wise, sample_accept, sampling_probs)
 from specla_hf.loop.autoregressive import ARDriver, ar_step_seconds
 from specla_hf.loop.policy import FallbackPolicy, speculation_memory
 from specla_hf.loop.shapes import ShapePolicy
@@ -193,7 +193,7 @@ class DeviceDriver:
             drafter = self.drafter
             drawn = (None if drafter.draft_sampling is None else
                      drafter.tree_draft_logq(drafter.buffers.tree_slots[:n]).exp())
-            acc = sample_accept(tokens[0], parents[0], ancestors, tree_probs(self.sampling, out.logits[0]),
+            acc = sample_accept(tokens[0], parents[0], ancestors, sampling_probs(self.sampling, out.logits[0]),
                                 self.cap, drawn, drafter.options.topk)
         self.cache.commit(acc.node, path=(acc.path[None], acc.length))
         self.drafter.catch_up(out.hidden_states, acc)
