@@ -1291,6 +1291,10 @@ def test_ops_dispatch(device):
     s = state.clone()
     assert ops.commit_state_(s, k_hat, u, g, parents, accepted) is s
     check(s, ref.commit_state_ref(state, k_hat, u, g, parents, accepted), 1e-3, "ops.commit_state_")
+    # the warpers: in the kernels up to 16K entries, and beyond where the slices hold the top-k's candidates
+    row = torch.zeros(1, 248320, device=device)
+    assert ops.warps_in_kernels(row[:, :16384], 0) and ops.warps_in_kernels(row, 20)
+    assert not ops.warps_in_kernels(row, 0) and not ops.warps_in_kernels(row, 1000)
 
 
 # (B, H, KV heads, D, buffer slots) of the masked attention: tiny and odd on CPU; on CUDA Qwen3.5's attention layers

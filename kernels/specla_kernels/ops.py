@@ -194,12 +194,18 @@ def warped_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float =
     to 16K entries, then their exponentials; longer rows under a top-k warper in slices (three launches); others as
     the reference's torch ops (a sort of each row under top-p)."""
     top_k = _top_k_that_removes(top_k, x)
-    if use_triton(x) and x.shape[-1] <= _draw.ONE_PROGRAM_VOCAB:
+    if not warps_in_kernels(x, top_k):
+        return torch.softmax(reference.warped_scores_ref(x, temperature, top_k, top_p), -1)
+    if x.shape[-1] <= _draw.ONE_PROGRAM_VOCAB:
         return _draw.warped_log_probs(x, temperature, top_k, torch.empty(x.shape, dtype=torch.float32,
                                                                           device=x.device), top_p).exp_()
-    if use_triton(x) and _draw.sliced_warp_fits(x.shape[-1], top_k):
-        return _draw.warped_probs_sliced(x, temperature, top_k, top_p)
-    return torch.softmax(reference.warped_scores_ref(x, temperature, top_k, top_p), -1)
+    return _draw.warped_probs_sliced(x, temperature, top_k, top_p)
+
+
+def warps_in_kernels(x: torch.Tensor, top_k: int) -> bool:
+    """Whether ``warped_probs`` warps rows like ``x`` under ``top_k`` in its kernels, not the reference's torch ops."""
+    top_k = _top_k_that_removes(top_k, x)
+    return use_triton(x) and (x.shape[-1] <= _draw.ONE_PROGRAM_VOCAB or _draw.sliced_warp_fits(x.shape[-1], top_k))
 
 
 def expand_frontier(top_logp: torch.Tensor, top_rank: torch.Tensor, top_token: torch.Tensor,

@@ -68,13 +68,14 @@ def kernel_warpers(processors: LogitsProcessorList, draws: int = 1) -> Warpers |
 
 def sampling_probs(logits_processor: LogitsProcessorList, logits: torch.Tensor) -> torch.Tensor:
     """``row_wise_probs``, what both the autoregressive step and the acceptance of a verified tree draw from. Under
-    the temperature, top-k and top-p warpers alone on the Triton path it is ``ops.warped_probs``: one launch and the
-    exponentials at vocabularies up to 16K, longer rows under top-k in slices, where transformers' warpers take ~5
-    launches more, a radix select and under top-p a sort of each row (0.4 ms a token at Qwen3.5's 248K). Its
-    probabilities equal the warpers' up to rounding, so a seeded draw (``torch.multinomial``'s exponential race over
-    the row, as stock ``generate``'s) differs from stock's only where two candidates' races tie within rounding."""
+    the temperature, top-k and top-p warpers alone, where ``ops.warped_probs`` takes them in its kernels, it is that:
+    one launch and the exponentials at vocabularies up to 16K, longer rows under top-k in slices, where transformers'
+    warpers take ~5 launches more, a radix select and under top-p a sort of each row (0.3 ms a token at Qwen3.5's
+    248K). Its probabilities equal the warpers' up to rounding, so a seeded draw (``torch.multinomial``'s exponential
+    race over the row, as stock ``generate``'s) differs from stock's only where two candidates' races tie within
+    rounding."""
     warpers = kernel_warpers(logits_processor)
-    if warpers is None or not ops.use_triton(logits):
+    if warpers is None or not ops.warps_in_kernels(logits, warpers.top_k):
         return row_wise_probs(logits_processor, logits)
     return ops.warped_probs(logits, *warpers)
 
