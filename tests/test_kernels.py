@@ -1297,6 +1297,38 @@ def test_ops_dispatch(device):
     assert not ops.warps_in_kernels(row, 0) and not ops.warps_in_kernels(row, 1000)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_mask_matches_reference(device):
+    """``attention_mask``'s kernel against ``attention_mask_ref``, exactly: consumed tokens and tree nodes (every
+    topology, a second batch of nodes after earlier pending ones: a column slice of the ancestor mask), sequences of
+    different committed lengths, buffers of odd capacities (one slot block and several, pending nodes reaching past
+    the end), fp32 / bf16 / fp16 masks."""
+    from specla_kernels.masked_attention import attention_mask
+    gen = seeded("attention_mask")
+    capacities = [37, 150] if device == "cpu" else [300, 2049, 4096]
+    for capacity, kind, dtype in itertools.product(capacities, ["chain", "bushy", "forest", "single", None],
+                                                   [torch.float32, torch.bfloat16, torch.float16]):
+        length = torch.randint(0, capacity - 8, (2,), generator=gen).to(device)
+        if kind is None:
+            T, ancestors = int(torch.randint(1, 9, (1,), generator=gen)), None
+        else:
+            N = min(SIZES["cpu"][kind], capacity // 4)
+            anc = ref.tree_ancestors(random_parents(kind, 2, N, gen)).to(device)
+            first = int(torch.randint(0, N, (1,), generator=gen))        # the nodes added last: rows first..N
+            T, ancestors = N - first, anc[:, first:]
+        got = attention_mask(length, ancestors, T, capacity, dtype)
+        want = ref.attention_mask_ref(length, ancestors, T, capacity, dtype)
+        case = (capacity, kind, dtype)
+        assert got[0].dtype == dtype and torch.equal(got[0], want[0]), case
+        assert torch.equal(got[1], want[1]), case
+    # a length near the end: pending nodes past the buffer's last slot are simply not there
+    anc = ref.tree_ancestors(random_parents("chain", 1, 8, gen)).to(device)
+    length = torch.tensor([capacities[0] - 3], device=device)
+    for got, want in zip(attention_mask(length, anc, 8, capacities[0], torch.bfloat16),
+                         ref.attention_mask_ref(length, anc, 8, capacities[0], torch.bfloat16)):
+        assert torch.equal(got, want)
+
+
 # (B, H, KV heads, D, buffer slots) of the masked attention: tiny and odd on CPU; on CUDA Qwen3.5's attention layers
 # (0.8B: 8 / 2 heads of 256; 9B: 16 / 4) at a graphed cache's 2048 slots, and a short unaligned buffer
 MASKED_ATTENTION_SHAPES = {"cpu": [(1, 4, 2, 16, 37), (2, 3, 1, 24, 150)],

@@ -77,8 +77,8 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
 
 def call_every_wrapper():
     """Each SpecLA kernel wrapper once per distinct compile (1.3B layer shapes, bf16 model, fp32 state)."""
-    from specla_kernels import (accept, commit, draft_expand, draw, fused_gemm, gate, gated_norm, gemv, topk,
-                                tree_conv, tree_delta)
+    from specla_kernels import (accept, commit, draft_expand, draw, fused_gemm, gate, gated_norm, gemv,
+                                masked_attention, topk, tree_conv, tree_delta)
     bf, f32 = torch.bfloat16, torch.float32
     H, K, V, D, W, N = 6, 256, 512, 2 * 6 * 256 + 6 * 512, 4, 64
     z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype)                  # noqa: E731
@@ -108,6 +108,8 @@ def call_every_wrapper():
                    windows=([x], [z(1, D, W)]))
     # the hybrids' attention layers (Qwen3.5: 2 KV heads of 256), the path as the acceptance hands it over
     kv = [z(1, 2, 512, 256) for _ in range(4)]
+    masked_attention.attention_mask(torch.zeros(1, dtype=torch.long), tree_delta.tree_ancestors(parents), N, 2048, bf)
+    masked_attention.attention_mask(torch.zeros(1, dtype=torch.long), None, 1, 2048, bf)
     commit.commit_kv_(path[:, :9], length, kv[:2], kv[2:], [torch.zeros(1, dtype=torch.long)] * 2)
     tokens, cap = torch.zeros(N, dtype=torch.long), 9
     accept.accept_walk(tokens, parents[0], tree_delta.tree_ancestors(parents)[0], cap, argmax=tokens)
@@ -164,7 +166,8 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
             "row_topk_merge_kernel", "expand_frontier_kernel", "gemv_kernel", "gemv_split_kernel",
             "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_rank_kernel",
             "draw_row_kernel", "draw_slices_kernel", "draw_merge_kernel",
-            "draw_logq_kernel", "warp_slices_kernel", "warp_merge_kernel", "warp_write_kernel"} <= names, names
+            "draw_logq_kernel", "warp_slices_kernel", "warp_merge_kernel", "warp_write_kernel",
+            "attention_mask_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",

@@ -1,6 +1,7 @@
-"""Triton kernel: a few queries (tree nodes, or one token) attending over a long, mostly unused KV buffer under an
+"""Triton kernels: a few queries (tree nodes, or one token) attending over a long, mostly unused KV buffer under an
 additive mask, with grouped key/value heads: the full-attention layers of a hybrid target's verify pass and its MTP
-head's draft depths.
+head's draft depths; and that mask with the new tokens' positions, built in one launch (``attention_mask``, the
+semantics of :func:`specla_kernels.reference.attention_mask_ref`), where its torch ops took ~12.
 
 Semantics of :func:`specla_kernels.reference.masked_attention_ref`. Split-KV (flash decoding): the buffer's slots are
 cut into ``splits`` ranges, one program per (range, key/value head, block of query rows), each keeping an online
@@ -141,3 +142,50 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             o_part, m_part, l_part, out, out.stride(0), out.stride(1), out.stride(2), T, HKV, rows, splits,
             B * HKV, G=G, D=D, DP=DP, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return out
+
+
+MASK_BLOCK = 1024
+
+
+@triton.jit
+def attention_mask_kernel(length, anc, mask, positions, T, N, CAP, sa_b, sa_t, sa_n, hidden,
+                          TREE: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (b * T + t, slot block): token ``t``'s mask entries over a block of slots; block 0 also its position."""
+    bt, blk = tl.program_id(0), tl.program_id(1)
+    b, t = bt // T, bt % T
+    start = tl.load(length + b)
+    slots = blk * BLOCK + tl.arange(0, BLOCK)
+    row = anc + b * sa_b + t * sa_t                 # the node's ancestor row (tree nodes)
+    if TREE:
+        pending = slots - start
+        idx = tl.minimum(tl.maximum(pending, 0), N - 1)
+        among = tl.load(row + idx * sa_n, mask=slots < CAP, other=0)
+        seen = (pending < 0) | ((among != 0) & (pending < N))
+    else:
+        seen = slots <= start + t
+    tl.store(mask + bt * CAP + slots, tl.where(seen, 0., hidden).to(mask.dtype.element_ty), mask=slots < CAP)
+    if blk == 0:
+        if TREE:
+            n = tl.arange(0, NP)
+            depth = tl.sum(tl.load(row + n * sa_n, mask=n < N, other=0).to(tl.int64), 0) - 1
+        else:
+            depth = t.to(tl.int64)
+        tl.store(positions + bt, start + depth)
+
+
+def attention_mask(length: torch.Tensor, ancestors: torch.Tensor | None, T: int, capacity: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``attention_mask_ref`` (same arguments and outputs)."""
+    B = length.shape[0]
+    mask = torch.empty(B, 1, T, capacity, dtype=dtype, device=length.device)
+    positions = torch.empty(B, T, dtype=torch.long, device=length.device)
+    if not mask.numel():
+        return mask, positions
+    tree = ancestors is not None
+    anc = ancestors.view(torch.uint8) if tree else length           # unread without a tree
+    N = ancestors.shape[-1] if tree else 1
+    strides = anc.stride() if tree else (0, 0, 0)
+    attention_mask_kernel[(B * T, triton.cdiv(capacity, MASK_BLOCK))](
+        length, anc, mask, positions, T, N, capacity, *strides, torch.finfo(dtype).min,
+        TREE=tree, NP=triton.next_power_of_2(N), BLOCK=MASK_BLOCK, num_warps=4)
+    return mask, positions

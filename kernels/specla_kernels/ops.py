@@ -256,6 +256,14 @@ def qk_norm_rope_append(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
                                              length, num_heads, first)
 
 
+def attention_mask(length: torch.Tensor, ancestors: torch.Tensor | None, T: int, capacity: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The additive mask and the positions of ``T`` new tokens over an attention layer's buffer (see
+    ``attention_mask_ref``): one launch on the Triton path."""
+    fn = _masked_attention.attention_mask if use_triton(length) else reference.attention_mask_ref
+    return fn(length, ancestors, T, capacity, dtype)
+
+
 def masked_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether ``masked_attention``'s kernel takes these inputs: an additive mask of the queries' dtype, one row per
     query and one column per slot, for every head; unit-stride head dims of at most 256, whole key/value groups, at

@@ -478,6 +478,30 @@ def qk_norm_rope_append_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight:
 HIDDEN = -1e4
 
 
+def attention_mask_ref(length: torch.Tensor, ancestors: torch.Tensor | None, T: int, capacity: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The additive mask ``[B, 1, T, capacity]`` (0 seen, ``dtype``'s least value hidden) and the positions ``[B, T]``
+    of ``T`` new tokens after ``length [B]`` committed positions of an attention layer's buffer, whose slot ``j``
+    holds committed position ``j`` below the length and pending node ``j - length`` from there. Consumed tokens
+    (``ancestors=None``): token ``t`` sees the slots up to ``length + t``, at position ``length + t``. Tree nodes:
+    ``ancestors [B, T, N]`` are their rows of the pending nodes' ancestor mask (themselves included); a node sees the
+    committed slots and its ancestors' slots, at position ``length + depth``."""
+    B = length.shape[0]
+    length = length[:, None]                                                    # [B, 1]
+    slots = torch.arange(capacity, device=length.device)
+    if ancestors is None:
+        offsets = torch.arange(T, device=length.device).expand(B, T)
+        seen = slots <= (length + offsets)[..., None]                           # [B, T, capacity]
+    else:
+        offsets = tree_depth(ancestors)
+        pending = slots - length                                                # [B, capacity]
+        N = ancestors.shape[-1]
+        among = ancestors.gather(2, pending.clamp(0, N - 1)[:, None].expand(B, T, -1))
+        seen = (pending < 0)[:, None] | (among & (pending < N)[:, None])
+    mask = torch.zeros(B, 1, T, capacity, dtype=dtype, device=length.device)
+    return mask.masked_fill_(~seen[:, None], torch.finfo(dtype).min), length + offsets
+
+
 def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """Softmax attention of queries ``q [B, H, T, D]`` over keys and values ``k, v [B, HKV, S, D]`` (query head ``h``

@@ -24,7 +24,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specla_hf.cache import SpecLAAttentionLayer
 from specla_kernels import ops, tuning
-from specla_kernels.reference import tree_depth
 
 
 KERNEL = "specla"        # ``tree_attention_backends``' name for ``ops.masked_attention``'s kernel
@@ -103,19 +102,7 @@ def attention_inputs(rotary_emb, h: torch.Tensor, layer: SpecLAAttentionLayer,
     mask (``[B, T, pending]``, all pending nodes, these included) are ``ancestors``. Built on the device from
     ``layer.length``: slot ``j`` of the buffer holds committed position ``j`` below the length and pending node
     ``j - length`` from there."""
-    B, T = h.shape[:2]
+    T = h.shape[1]
     layer.make_room(T if ancestors is None else ancestors.shape[-1])     # a growing layer: before the mask is sized
-    length = layer.length[:, None]                                               # [B, 1]
-    slots = torch.arange(layer.capacity, device=h.device)
-    if ancestors is None:
-        offsets = torch.arange(T, device=h.device).expand(B, T)
-        seen = slots <= (length + offsets)[..., None]                            # [B, T, capacity]
-    else:
-        offsets = tree_depth(ancestors)
-        pending = slots - length                                                 # [B, capacity]
-        N = ancestors.shape[-1]
-        among = ancestors.gather(2, pending.clamp(0, N - 1)[:, None].expand(B, T, -1))
-        seen = (pending < 0)[:, None] | (among & (pending < N)[:, None])
-    rotary = rotary_emb(h, rotary_positions(rotary_emb, length + offsets))
-    mask = torch.zeros(B, 1, T, layer.capacity, dtype=h.dtype, device=h.device)
-    return rotary, mask.masked_fill_(~seen[:, None], torch.finfo(h.dtype).min)
+    mask, positions = ops.attention_mask(layer.length, ancestors, T, layer.capacity, h.dtype)
+    return rotary_emb(h, rotary_positions(rotary_emb, positions)), mask
