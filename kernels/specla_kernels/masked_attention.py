@@ -181,11 +181,12 @@ def attention_mask(length: torch.Tensor, ancestors: torch.Tensor | None, T: int,
     positions = torch.empty(B, T, dtype=torch.long, device=length.device)
     if not mask.numel():
         return mask, positions
-    tree = ancestors is not None
-    anc = ancestors.view(torch.uint8) if tree else length           # unread without a tree
-    N = ancestors.shape[-1] if tree else 1
-    strides = anc.stride() if tree else (0, 0, 0)
+    if ancestors is None:
+        anc, N, strides = length, 1, (0, 0, 0)                      # unread without a tree
+    else:
+        anc, N = ancestors.view(torch.uint8), ancestors.shape[-1]
+        strides = anc.stride()
     attention_mask_kernel[(B * T, triton.cdiv(capacity, MASK_BLOCK))](
         length, anc, mask, positions, T, N, capacity, *strides, torch.finfo(dtype).min,
-        TREE=tree, NP=triton.next_power_of_2(N), BLOCK=MASK_BLOCK, num_warps=4)
+        TREE=ancestors is not None, NP=triton.next_power_of_2(N), BLOCK=MASK_BLOCK, num_warps=4)
     return mask, positions
