@@ -51,6 +51,24 @@ class SpecLALayer(CacheLayerMixin):
         self.g = torch.cat([self.g, g], 1)
         self.x = torch.cat([self.x, x], 1)
 
+    def conv_and_gates(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None, parents: torch.Tensor, A_log: torch.Tensor,
+                       dt_bias: torch.Tensor | None, allow_neg_eigval: bool = False) -> tuple[torch.Tensor, ...]:
+        """New tree nodes' short conv (SiLU) after the pending ones and their gates, one launch on a GPU
+        (``ops.tree_conv_gates``): ``(x, y, g, beta)``, ``x`` the nodes' raw q|k|v inputs made contiguous (the
+        factors keep it), ``y`` their conv outputs. ``x``, ``a``, ``b``: column slices of the input projection,
+        read in place."""
+        T = x.shape[1]
+        if not self.x.shape[1]:               # a fresh tree (every decoding step): the contiguous copy on the way
+            x_slice, x = x, x.new_empty(x.shape)
+            y, g, beta = ops.tree_conv_gates(x_slice, weight, bias, self.window, parents, a, b, A_log, dt_bias,
+                                             allow_neg_eigval, x_out=x)
+            return x, y, g, beta
+        x = x.contiguous()
+        y, g, beta = ops.tree_conv_gates(torch.cat([self.x, x], 1), weight, bias, self.window, parents, a, b, A_log,
+                                         dt_bias, allow_neg_eigval)
+        return x, y[:, -T:], g, beta
+
     def pending(self) -> tuple[torch.Tensor, ...]:
         """The tensors holding the pending nodes (references: a CUDA graph's outputs become them after a replay)."""
         return self.k_hat, self.u, self.g, self.x

@@ -26,7 +26,7 @@ from specla_kernels.ops import commit_, commit_state_, commit_window_
 from specla_kernels.gate import gdn_gate_beta
 from specla_kernels.masked_attention import masked_attention as masked_attention_kernel
 from specla_kernels.topk import row_topk as topk_kernel
-from specla_kernels.tree_conv import tree_conv
+from specla_kernels.tree_conv import tree_conv, tree_conv_gates
 from specla_kernels.tree_delta import INTERPRETED, tree_ancestors, tree_gated_delta_rule
 
 DEVICES = [
@@ -569,6 +569,41 @@ def test_gate_beta_matches_reference(device, dtype):
             assert g.dtype == beta.dtype == torch.float32
             torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(beta, beta_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bushy", "deep", "forest"])
+@MODEL_DTYPES
+def test_tree_conv_gates_matches_references(device, kind, dtype):
+    """The conv and the gates in one launch, read in place from one projection output as a verify pass lays it out
+    (q|k|v, then a and b): a fresh tree with the contiguous copy written, and new nodes after pending ones (the gates
+    of the last T only); odd head counts, with and without dt_bias and conv bias, negative eigenvalues allowed."""
+    gen = seeded(kind, dtype, 'conv_gates')
+    for (B, D, W), HV, neg in zip(CONV[device], (5, 16), (False, True)):
+        N = SIZES[device][kind]
+        proj = (torch.randn(B, N, D + 3 + 2 * HV, generator=gen) * 4).to(device, dtype)
+        x, a, b = proj[..., :D], proj[..., D + 3:D + 3 + HV], proj[..., D + 3 + HV:]
+        window = torch.randn(B, D, W, generator=gen).to(device, dtype)
+        weight = torch.randn(D, W, generator=gen).to(device)
+        A_log = torch.randn(HV, generator=gen).to(device)
+        parents = random_parents(kind, B, N, gen).to(device)
+        for bias, dt_bias in ((torch.randn(D, generator=gen).to(device), torch.randn(HV, generator=gen).to(device)),
+                              (None, None)):
+            for T in (N, max(1, N // 3)):                        # every node new, or the last T after pending ones
+                x_out = torch.full((B, N, D), float("nan"), device=device, dtype=dtype) if T == N else None
+                y, g, beta = tree_conv_gates(x, weight, bias, window, parents, a[:, -T:], b[:, -T:], A_log,
+                                             dt_bias, neg, x_out=x_out)
+                what = f"T={T}/{N}, bias={bias is not None}"
+                check(y, ref.tree_conv_ref(x, weight, bias, window, parents, "silu"), TOL[dtype], f"y ({what})")
+                g_ref, beta_ref = ref.gdn_gate_beta_ref(a[:, -T:], b[:, -T:], A_log, dt_bias, neg)
+                assert g.shape == beta.shape == (B, T, HV) and g.dtype == beta.dtype == torch.float32
+                torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"g ({what}): {m}")
+                torch.testing.assert_close(beta, beta_ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"beta ({what}): {m}")
+                if x_out is not None:
+                    assert torch.equal(x_out, x)
+    with pytest.raises(ValueError, match="last T of the"):
+        tree_conv_gates(x, weight, None, window, parents, a[:, :1].expand(B, N + 1, HV), b[:, :1].expand(B, N + 1, HV),
+                        A_log, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1242,8 +1277,8 @@ def test_small_kernels_with_pdl_equal_without(N):
     def layer():
         p = torch.nn.functional.linear(h, proj)
         x, a, b, gate = p.split([D, H, H, H * V], -1)
-        y = tree_conv(x, conv_w, None, window, parents, x_out=torch.empty(1, N, D, dtype=x.dtype, device="cuda"))
-        g, beta = gdn_gate_beta(a, b, A_log, dt_bias)
+        y, g, beta = tree_conv_gates(x, conv_w, None, window, parents, a, b, A_log, dt_bias,
+                                     x_out=torch.empty(1, N, D, dtype=x.dtype, device="cuda"))
         q, k, v = y.split([H * K, H * K, H * V], -1)
         o, k_hat, u = tree_gated_delta_rule(q.view(1, N, H, K), k.view(1, N, H, K), v.view(1, N, H, V), g, beta,
                                             parents, state)

@@ -98,6 +98,8 @@ def call_every_wrapper():
     gated_norm.rms_norm_gated(z(1, N, H, V), z(1, N, H, V), z(V), None, 1e-5)
     x = z(1, N, D)
     tree_conv.tree_conv(x, z(D, W), None, z(1, D, W), parents, x_out=z(1, N, D))
+    tree_conv.tree_conv_gates(x, z(D, W), None, z(1, D, W), parents, z(1, N, H), z(1, N, H), z(H, dtype=f32),
+                              z(H, dtype=f32), x_out=z(1, N, D))
     tree_delta.tree_ancestors(parents)
     path, length = torch.arange(N)[None], torch.full((1,), N)
     commit.commit_(path, length, states=([state, state.clone()], [z(1, N, H, K, dtype=f32)] * 2,

@@ -57,25 +57,34 @@ def tree_gated_delta_rule(
 
 def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
                   allow_neg_eigval: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-decay ``g`` and write strength ``beta`` of each token, fp32 (see ``gdn_gate_beta_ref``)."""
+    """Log-decay ``g`` and write strength ``beta`` of each token, fp32 (see ``gdn_gate_beta_ref``): for layers
+    without a short conv (``tree_conv_gates`` computes them beside the conv)."""
     if use_triton(a):
         return _gate.gdn_gate_beta(a, b, A_log, dt_bias, allow_neg_eigval)
     return reference.gdn_gate_beta_ref(a, b, A_log, dt_bias, allow_neg_eigval)
 
 
-def tree_conv(
+def tree_conv_gates(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     window: torch.Tensor,
     parents: torch.Tensor,
-    activation: str | None = 'silu',
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    allow_neg_eigval: bool = False,
     x_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Tree-aware depthwise short convolution (see ``tree_conv_ref``); ``x_out`` receives a contiguous copy of ``x``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GDN layer's tree-aware short convolution with SiLU (``tree_conv_ref``; ``x_out`` receives a contiguous copy
+    of ``x``) and the log-decay ``g`` and write strength ``beta`` of its last ``T`` nodes (``gdn_gate_beta_ref``,
+    ``a, b [B, T, heads]``, fp32): ``(y, g, beta)``, one launch on the GPU."""
     if use_triton(x):
-        return _tree_conv.tree_conv(x, weight, bias, window, parents, activation, x_out)
-    return reference.tree_conv_ref(x, weight, bias, window, parents, activation, x_out)
+        return _tree_conv.tree_conv_gates(x, weight, bias, window, parents, a, b, A_log, dt_bias, allow_neg_eigval,
+                                          x_out=x_out)
+    y = reference.tree_conv_ref(x, weight, bias, window, parents, 'silu', x_out)
+    return (y, *reference.gdn_gate_beta_ref(a, b, A_log, dt_bias, allow_neg_eigval))
 
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:

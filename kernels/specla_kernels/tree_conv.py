@@ -11,23 +11,35 @@ import torch
 import triton
 import triton.language as tl
 
-from specla_kernels import pdl
+from specla_kernels import gate, pdl
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "T"])
 def tree_conv_kernel(
     x, weight, bias, window, parents, y, x_out,
-    N, D, stride_xt,
+    a, b, A_log, dt_bias, g, beta,
+    N, D, stride_xt, T, stride_a, stride_b,
     W: tl.constexpr,
     BN: tl.constexpr,
     BD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     COPY_X: tl.constexpr,
+    GATES: tl.constexpr,                 # the last program along axis 0 computes the gates of the last T nodes
+    HV: tl.constexpr,
+    BHV: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    BETA_SCALE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.allow_dependents(PDL)
     i_d, i_n, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if GATES:
+        if i_d == tl.num_programs(0) - 1:
+            t = i_n * BN + tl.arange(0, BN)
+            gate.gate_rows(a, b, A_log, dt_bias, g, beta, i_b * T + t, t < T, stride_a, stride_b,
+                           HV, BHV, HAS_DT_BIAS, BETA_SCALE, PDL)
+            return
     rows = i_n * BN + tl.arange(0, BN)
     m_n = rows < N
     o_d = i_d * BD + tl.arange(0, BD)
@@ -74,6 +86,29 @@ def tree_conv(
     ``parents [B,N]``; returns ``[B,N,D]`` in the dtype of x. ``x`` may be a column slice of a wider tensor (tokens
     evenly spaced, channels contiguous: the runner's fused projection output), read in place; ``x_out`` (contiguous
     ``[B,N,D]``), if given, receives a contiguous copy of ``x`` on the way (the raw inputs the commit needs)."""
+    return _launch(x, weight, bias, window, parents, activation, x_out, None)[0]
+
+
+def tree_conv_gates(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    window: torch.Tensor,
+    parents: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    allow_neg_eigval: bool = False,
+    activation: str | None = 'silu',
+    x_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tree_conv`` and, in the same launch, ``gdn_gate_beta_ref`` of the gate inputs ``a, b [B,T,HV]`` of the last
+    ``T`` of the ``N`` nodes (column slices read in place): ``(y, g, beta)``, ``g`` and ``beta`` fp32 ``[B,T,HV]``."""
+    return _launch(x, weight, bias, window, parents, activation, x_out, (a, b, A_log, dt_bias, allow_neg_eigval))
+
+
+def _launch(x, weight, bias, window, parents, activation, x_out, gates):
     B, N, D = x.shape
     W = weight.shape[-1]
     if activation not in (None, 'silu', 'swish'):
@@ -85,12 +120,28 @@ def tree_conv(
     BN = min(64, triton.next_power_of_2(N))
     BD = max(16, min(triton.next_power_of_2(D), 1024 // BN))
     y = x.new_empty(B, N, D)
+    if gates is None:
+        a = b = A_log = dt_bias = g = beta = y
+        T, HV, stride_a, stride_b, beta_scale = N, 1, 0, 0, 1.0
+    else:
+        a, b, A_log, dt_bias, allow_neg_eigval = gates
+        T, HV = a.shape[1:]
+        if a.shape != (B, T, HV) or b.shape != a.shape or T > N:
+            raise ValueError(f"gate inputs a {tuple(a.shape)} and b {tuple(b.shape)} must both be [B, T, heads] "
+                             f"for the last T of the {N} nodes")
+        (a, stride_a), (b, stride_b) = gate.token_rows(a), gate.token_rows(b)
+        g = torch.empty(B, T, HV, dtype=torch.float32, device=x.device)
+        beta = torch.empty_like(g)
+        beta_scale = 2.0 if allow_neg_eigval else 1.0
     on = pdl.small_enabled(x.device)
-    grid = (triton.cdiv(D, BD), triton.cdiv(N, BN), B)
+    grid = (triton.cdiv(D, BD) + (gates is not None), triton.cdiv(N, BN), B)
     tree_conv_kernel[grid](
         x, weight.contiguous(), bias if bias is not None else x, window.contiguous(), parents.contiguous(),
-        y, x_out if x_out is not None else y, N, D, x.stride(1) if N > 1 else x.stride(0),
+        y, x_out if x_out is not None else y,
+        a, b, A_log, dt_bias if dt_bias is not None else A_log, g, beta,
+        N, D, x.stride(1) if N > 1 else x.stride(0), T, stride_a, stride_b,
         W=W, BN=BN, BD=BD, HAS_BIAS=bias is not None, SILU=activation is not None, COPY_X=x_out is not None,
-        PDL=on, num_warps=4, launch_pdl=on,
+        GATES=gates is not None, HV=HV, BHV=triton.next_power_of_2(HV), HAS_DT_BIAS=dt_bias is not None,
+        BETA_SCALE=beta_scale, PDL=on, num_warps=4, launch_pdl=on,
     )
-    return y
+    return y, (None if gates is None else g), (None if gates is None else beta)

@@ -268,19 +268,16 @@ class GDNRunner(GraphedAdapter):
         _, conv_weight, conv_bias = fuse_mixer_weights(m)
         if not m.use_short_conv:
             y = F.silu(x)
+            if parents is not None:
+                g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias, m.allow_neg_eigval)
         elif parents is None:
             # one depthwise conv over the concatenated q|k|v inputs, as fla's fused path does
             y, window = fla_gdn.causal_conv1d(x=x, weight=conv_weight, bias=conv_bias, initial_state=layer.window,
                                               output_final_state=True, activation=m.q_conv1d.activation)
             layer.window.copy_(window)
-        elif not layer.x.shape[1]:
-            # a fresh tree (every decoding step): the conv reads x, a column slice of the GEMM output, in place and
-            # writes the contiguous copy the factors keep on the way
-            x_slice, x = x, x.new_empty(x.shape)
-            y = ops.tree_conv(x_slice, conv_weight, conv_bias, layer.window, parents, x_out=x)
         else:
-            x = x.contiguous()
-            y = ops.tree_conv(torch.cat([layer.x, x], 1), conv_weight, conv_bias, layer.window, parents)[:, -T:]
+            x, y, g, beta = layer.conv_and_gates(x, a, b, conv_weight, conv_bias, parents, m.A_log, m.dt_bias,
+                                                 m.allow_neg_eigval)
         q, k, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], -1)
         q = q.view(B, T, m.num_heads, m.head_k_dim)
         k = k.view(B, T, m.num_heads, m.head_k_dim)
@@ -295,7 +292,6 @@ class GDNRunner(GraphedAdapter):
                               allow_neg_eigval=m.allow_neg_eigval, state_v_first=True)
             layer.state.copy_(state)
         else:
-            g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias, m.allow_neg_eigval)
             prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
             o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
                                                     ancestors=ancestors)

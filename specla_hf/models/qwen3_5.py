@@ -4,7 +4,7 @@
 embedding, full-attention modules, LM head) and replaces only how the mixers keep state:
 - GDN layers (``linear_attn``): from the module's own projections, conv weights, gates and gated norm. Consuming
   tokens runs the modeling module's own conv and delta-rule functions on our committed state, as the stock forward
-  does; verifying tree nodes runs ``ops.tree_conv`` / ``ops.tree_gated_delta_rule`` from the committed state and
+  does; verifying tree nodes runs ``ops.tree_conv_gates`` / ``ops.tree_gated_delta_rule`` from the committed state and
   records their compact factors (``SpecLALayer``), as ``GDNRunner`` does. Our state is V-first ``[B, HV, V, K]``,
   transformers' K-first: consuming transposes it in and out. Value head ``i`` reads key head ``i // (HV / H)`` in both
   (transformers' ``repeat_interleave``).
@@ -486,18 +486,9 @@ class HybridRunner(GraphedAdapter):
                          parents: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
         """GDN module ``m`` verifying tree nodes from ``layer``'s committed state: the tree conv of the raw q|k|v
         inputs ``x [B, T, conv_dim]``, gates, tree verify, factors recorded; returns ``o [B, T, heads, head_v_dim]``."""
-        T = x.shape[1]
-        weight = m.conv1d.weight[:, 0]                        # [conv_dim, 1, W] -> [conv_dim, W]
-        if not layer.x.shape[1]:                              # a fresh tree (every decoding step)
-            # x may be a column slice of the projection GEMM: the conv reads it in place and writes the contiguous
-            # copy the factors keep on the way
-            x_slice, x = x, x.new_empty(x.shape)
-            y = ops.tree_conv(x_slice, weight, m.conv1d.bias, layer.window, parents, x_out=x)
-        else:
-            x = x.contiguous()
-            y = ops.tree_conv(torch.cat([layer.x, x], 1), weight, m.conv1d.bias, layer.window, parents)[:, -T:]
+        x, y, g, beta = layer.conv_and_gates(x, a, b, m.conv1d.weight[:, 0], m.conv1d.bias, parents, m.A_log,
+                                             m.dt_bias)
         q, k, v = self._heads(m, y)
-        g, beta = ops.gdn_gate_beta(a, b, m.A_log, m.dt_bias)
         prefix = (layer.k_hat, layer.u, layer.g) if layer.k_hat.shape[1] else None
         o, k_hat, u = ops.tree_gated_delta_rule(q, k, v, g, beta, parents, layer.state, prefix=prefix,
                                                 ancestors=ancestors)
