@@ -254,9 +254,8 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         else:
             y = self._mixer(0, block.attn_norm(x), cache.layers[0], all_parents, cache.ancestors)
             y, residual = block.mlp_norm(y, residual=x, prenorm=True)
-            h = residual + self._mlp(0, y)
-            top = h if logits_positions is None else h[:, logits_positions]
-            logits = self.lm_head(norm(top))
+            top, h = norm(self._mlp(0, y), residual=residual, prenorm=True)       # the residual add rides on it
+            logits = self.lm_head(top if logits_positions is None else top[:, logits_positions])
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (h,))    # fp32, no cast copy
 
 

@@ -165,22 +165,33 @@ class GDNRunner(GraphedAdapter):
             all_parents = cache.add_nodes(parents)
             if self.fused_step and fused_tree_pass(*input_ids.shape):
                 return self._verify_fused(input_ids, cache, all_parents, logits_positions, hidden_layers)
-        h = self.model.model.embeddings(input_ids)
-        hidden = [h] if 0 in hidden_layers else []
+        residual = self.model.model.embeddings(input_ids)
+        hidden = [residual] if 0 in hidden_layers else []
+        out = None                            # the last block's MLP output, not yet added to the residual stream
         for i, block in enumerate(self.blocks):
-            residual = h
-            x = self._mixer(i, block.attn_norm(h), cache.layers[i], all_parents, cache.ancestors)
-            if self.config.fuse_norm:
-                x, residual = block.mlp_norm(x, residual=residual, prenorm=True)
+            if out is None:
+                x = block.attn_norm(residual)
             else:
-                residual = residual + x
-                x = block.mlp_norm(residual)
-            h = residual + self._mlp(i, x)
-            if i + 1 in hidden_layers:
-                hidden.append(h)
+                x, residual = self._add_norm(block.attn_norm, out, residual)
+                if i in hidden_layers:
+                    hidden.append(residual)
+            x, residual = self._add_norm(block.mlp_norm, self._mixer(i, x, cache.layers[i], all_parents,
+                                                                     cache.ancestors), residual)
+            out = self._mlp(i, x)
+        x, residual = self._add_norm(self.model.model.norm, out, residual)
+        if len(self.blocks) in hidden_layers:
+            hidden.append(residual)
         if logits_positions is not None:
-            h = h[:, logits_positions]
-        return RunnerOutput(self.model.lm_head(self.model.model.norm(h)), tuple(hidden))
+            x = x[:, logits_positions]
+        return RunnerOutput(self.model.lm_head(x), tuple(hidden))
+
+    def _add_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: one launch with fla's fused norms (``config.fuse_norm``), which
+        take the sum in fp32 before rounding it; so a block's closing residual add rides on the next norm."""
+        if self.config.fuse_norm:
+            return norm(x, residual=residual, prenorm=True)
+        residual = residual + x
+        return norm(residual), residual
 
     def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
         """One token of batch 1 (``supports_fused_step``): per layer, the input projection GEMV (attn norm before

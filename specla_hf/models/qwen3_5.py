@@ -290,19 +290,26 @@ class HybridRunner(GraphedAdapter):
         if parents is not None and self.fused_step and fused_tree_pass(B, T):
             return self._verify_fused(h[0], cache, all_parents, attention, logits_positions, hidden_layers)
         hidden = [h] if 0 in hidden_layers else []
+        out = None                            # the last block's MLP output, not yet added to the residual stream
         for i, (block, kind) in enumerate(zip(self.blocks, self.config.layer_types)):
-            x = self._norm(block.input_layernorm, h)
+            if out is None:
+                x = self._norm(block.input_layernorm, h)
+            else:                             # the block's closing residual add rides on the next norm
+                x, h = self._norm(block.input_layernorm, out, residual=h)
+                if i in hidden_layers:
+                    hidden.append(h)
             if kind == "linear_attention":
                 x = self._linear_attention(block.linear_attn, x, cache.layers[i], all_parents, cache.ancestors)
             else:
                 x = self._attention(block.self_attn, x, cache.layers[i], attention, pending=parents is not None)
             x, h = self._norm(block.post_attention_layernorm, x, residual=h)
-            h = h + self._mlp(block.mlp, x)
-            if i + 1 in hidden_layers:
-                hidden.append(h)
+            out = self._mlp(block.mlp, x)
+        x, h = self._norm(self.decoder.norm, out, residual=h)
+        if len(self.blocks) in hidden_layers:
+            hidden.append(h)
         if logits_positions is not None:
-            h = h[:, logits_positions]
-        return RunnerOutput(self.model.lm_head(self._norm(self.decoder.norm, h)), tuple(hidden))
+            x = x[:, logits_positions]
+        return RunnerOutput(self.model.lm_head(x), tuple(hidden))
 
     def _decode_step(self, input_ids: torch.Tensor, cache: SpecLACache) -> torch.Tensor:
         """One token of batch 1 (``supports_fused_step``). A GDN layer: the input projection GEMV (input norm before
