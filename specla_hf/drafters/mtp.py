@@ -279,7 +279,10 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         else:
             x = self._attention(block.self_attn, self._norm(block.input_layernorm, h), layer, attention, pending)
             x, h = self._norm(block.post_attention_layernorm, x, residual=h)
-            h = h + self._mlp(block.mlp, x)
+            out = self._mlp(block.mlp, x)
+            if mtp.use_post_norm:                    # the residual add rides on the closing norm
+                return self._norm(mtp.post_norm, out, residual=h)[0]
+            return h + out
         return self._norm(mtp.post_norm, h) if mtp.use_post_norm else h
 
 
