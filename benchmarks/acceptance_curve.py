@@ -55,6 +55,14 @@ START = time.perf_counter()
 WARM_PASSES = 6           # most passes over a point's prompts after its first, untimed one
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
 def log(*msg) -> None:
     print(f"[{time.perf_counter() - START:6.1f}s]", *msg, flush=True)
 
@@ -215,7 +223,8 @@ def main():
     ap.add_argument("--top-k", type=int, help="sampling: top-k warper (default: the generation config's, 50)")
     ap.add_argument("--top-p", type=float, help="sampling: top-p warper (default: none; Qwen's configs: 0.95)")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--stock-prompts", type=int, default=2, help="prompts timed with stock generate (it is slow)")
+    ap.add_argument("--stock-prompts", type=positive, default=2, help="prompts timed with stock generate (it is "
+                    "slow; at least 1: every record carries its time)")
     ap.add_argument("--shape", choices=["1.3b", "trained"], default="1.3b",
                     help="1.3b: the trained target inflated to fla's 1.3B shape; trained: the 12.6M target itself")
     ap.add_argument("--device", default="cuda")

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM
 
 import specla_hf
 from acceptance_curve import (add_tuning_options, ar_ms_torch_warpers, copy_bytes_per_s, log, log_calls,
-                              log_shape_costs, prompts, run, speculation_counts, tuning_changes, warmed,
+                              log_shape_costs, positive, prompts, run, speculation_counts, tuning_changes, warmed,
                               weight_floor_ms)
 from specla_hf.drafters.mtp import _MTPRunner
 from specla_hf.models import adapter_for
@@ -314,7 +314,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="trained,0.8b,9b")
     ap.add_argument("--per-set", type=int, default=2, help="prompts per set (MT-Bench, HumanEval, Alpaca)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--stock-prompts", type=int, default=2, help="prompts timed with stock generate (it is slow)")
+    ap.add_argument("--stock-prompts", type=positive, default=2, help="prompts timed with stock generate (it is "
+                    "slow; at least 1: every record carries its time)")
     ap.add_argument("--noise", default="0,2.75,3,3.25,3.5,4",
                     help="controlled acceptance at the random shapes: noise scales on the oracle's drafts")
     ap.add_argument("--profile", action="store_true", help="write each shape's AR kernel profile (CUDA)")
