@@ -39,7 +39,7 @@ import specla_hf  # noqa: F401  (installs the torch/fla dispatch)
 import specla_kernels.chunk as chunk_mod
 from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
 from specla_hf.models.fla_backend import use_backend
-from train_tokenizer import DEFAULT_CORPUS, iter_texts
+from train_tokenizer import DEFAULT_CORPUS, iter_texts, save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def fibonacci(n):", "The history of", "int main(void)"]
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"final: {step} steps, {tokens / 1e6:.1f} M tokens, train {last_train_loss:.3f}, val {val_final:.3f}")
 
     model.to(torch.bfloat16).save_pretrained(args.out, max_shard_size="15MB", safe_serialization=True)
-    hf_tokenizer.save_pretrained(args.out)
+    save_tokenizer(hf_tokenizer, args.out)
     model.float()  # bf16-rounded weights, as a float32 load of the checkpoint sees them
     try:  # the checkpoint is saved already; a generation failure must not lose the log
         samples = greedy_samples(model, hf_tokenizer, 16 if args.cpu_smoke else 64)

@@ -58,6 +58,15 @@ def train_tokenizer(texts: list[str], vocab_size: int = 8192) -> PreTrainedToken
                                    unk_token=None, model_max_length=1 << 20)
 
 
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+    """``save_pretrained``, with ``tokenizer.json`` written as compact JSON: the embedded checkpoints travel with every
+    GPU call, and indented it is 2.5x the size; it loads the same."""
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(path.read_text(encoding="utf-8")), ensure_ascii=False, separators=(",", ":")),
+                    encoding="utf-8")
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="folder with train-*.jsonl.xz")
@@ -73,7 +82,7 @@ def main() -> None:
     texts = read_texts(paths, args.max_mb * 2**20)
     print(f"{len(texts)} documents, {sum(map(len, texts)) / 2**20:.1f} M characters from {len(paths)} shards")
     tokenizer = train_tokenizer(texts, args.vocab_size)
-    tokenizer.save_pretrained(args.out)
+    save_tokenizer(tokenizer, args.out)
     sample = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
     ids = tokenizer(sample)["input_ids"]
     print(f"vocab {len(tokenizer)}, {len(sample)} chars -> {len(ids)} tokens, round trip "
