@@ -58,7 +58,6 @@ def train_tokenizer(texts: list[str], vocab_size: int = 8192) -> PreTrainedToken
                                    unk_token=None, model_max_length=1 << 20)
 
 
-
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
     """``save_pretrained``, with ``tokenizer.json`` written as compact JSON: the embedded checkpoints travel with every
     GPU call, and indented it is 2.5x the size; it loads the same."""
@@ -66,6 +65,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
     path = Path(folder) / "tokenizer.json"
     path.write_text(json.dumps(json.loads(path.read_text(encoding="utf-8")), ensure_ascii=False, separators=(",", ":")),
                     encoding="utf-8")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

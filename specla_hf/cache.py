@@ -58,7 +58,6 @@ class SpecLALayer(CacheLayerMixin):
         (``ops.tree_conv_gates``): ``(x, y, g, beta)``, ``x`` the nodes' raw q|k|v inputs made contiguous (the
         factors keep it), ``y`` their conv outputs. ``x``, ``a``, ``b``: column slices of the input projection,
         read in place."""
-        T = x.shape[1]
         if not self.x.shape[1]:               # a fresh tree (every decoding step): the contiguous copy on the way
             x_slice, x = x, x.new_empty(x.shape)
             y, g, beta = ops.tree_conv_gates(x_slice, weight, bias, self.window, parents, a, b, A_log, dt_bias,
@@ -67,7 +66,7 @@ class SpecLALayer(CacheLayerMixin):
         x = x.contiguous()
         y, g, beta = ops.tree_conv_gates(torch.cat([self.x, x], 1), weight, bias, self.window, parents, a, b, A_log,
                                          dt_bias, allow_neg_eigval)
-        return x, y[:, -T:], g, beta
+        return x, y[:, -x.shape[1]:], g, beta
 
     def pending(self) -> tuple[torch.Tensor, ...]:
         """The tensors holding the pending nodes (references: a CUDA graph's outputs become them after a replay)."""

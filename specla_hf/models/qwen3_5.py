@@ -4,8 +4,8 @@
 embedding, full-attention modules, LM head) and replaces only how the mixers keep state:
 - GDN layers (``linear_attn``): from the module's own projections, conv weights, gates and gated norm. Consuming
   tokens runs the modeling module's own conv and delta-rule functions on our committed state, as the stock forward
-  does; verifying tree nodes runs ``ops.tree_conv_gates`` / ``ops.tree_gated_delta_rule`` from the committed state and
-  records their compact factors (``SpecLALayer``), as ``GDNRunner`` does. Our state is V-first ``[B, HV, V, K]``,
+  does; verifying tree nodes runs ``ops.tree_conv_gates`` / ``ops.tree_gated_delta_rule`` from the committed state
+  and records their compact factors (``SpecLALayer``), as ``GDNRunner`` does. Our state is V-first ``[B, HV, V, K]``,
   transformers' K-first: consuming transposes it in and out. Value head ``i`` reads key head ``i // (HV / H)`` in both
   (transformers' ``repeat_interleave``).
 - full-attention layers (``self_attn``): the model's own attention module, handed a view of our
