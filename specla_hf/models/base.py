@@ -11,6 +11,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn as nn
+
+
+def embed(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``embedding(ids)``, a plain ``nn.Embedding`` as an indexing gather: for a few tokens aten's lookup takes its
+    small-index kernel, which walks the tokens one after another (a tree's embedding then costs more than its norm)."""
+    if type(embedding) is nn.Embedding and embedding.max_norm is None:
+        return embedding.weight[ids]
+    return embedding(ids)
 
 
 @dataclass

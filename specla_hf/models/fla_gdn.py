@@ -26,7 +26,7 @@ from fla.models import GatedDeltaNetForCausalLM
 from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 from specla_hf.models import fla_backend as backend
 from specla_hf.cache import SpecLACache, SpecLALayer
-from specla_hf.models.base import RunnerOutput
+from specla_hf.models.base import RunnerOutput, embed
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter
 from specla_hf.models.one_token import fusable_gated_head, fused_rows, fused_tree_pass, product, recurrent_step_
 from specla_kernels import ops
@@ -165,7 +165,7 @@ class GDNRunner(GraphedAdapter):
             all_parents = cache.add_nodes(parents)
             if self.fused_step and fused_tree_pass(*input_ids.shape):
                 return self._verify_fused(input_ids, cache, all_parents, logits_positions, hidden_layers)
-        residual = self.model.model.embeddings(input_ids)
+        residual = embed(self.model.model.embeddings, input_ids)
         hidden = [residual] if 0 in hidden_layers else []
         out = None                            # the last block's MLP output, not yet added to the residual stream
         for i, block in enumerate(self.blocks):
@@ -223,7 +223,7 @@ class GDNRunner(GraphedAdapter):
         tree conv, gates and tree verify, the output projection (gated norm before it), the MLP's gate|up (residual
         add and norm before it) and down projection (SwiGLU before it, residual add after it). Rounds where the
         general path rounds."""
-        h = self.model.model.embeddings(input_ids)[0]                       # [T, hidden]
+        h = embed(self.model.model.embeddings, input_ids)[0]                # [T, hidden]
         hidden = [h[None]] if 0 in hidden_layers else []
         for i, (block, layer) in enumerate(zip(self.blocks, cache.layers)):
             h = self._fused_layer(block, layer, h, parents, cache.ancestors)

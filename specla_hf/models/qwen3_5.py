@@ -40,7 +40,7 @@ from specla_hf.cache import SpecLAAttentionLayer, SpecLACache, SpecLALayer
 from specla_hf.drafters.options import MAX_TREE_BUCKET
 from specla_hf.models import ADAPTERS, transformers_backend
 from specla_hf.models import fla_backend as backend
-from specla_hf.models.base import RunnerOutput
+from specla_hf.models.base import RunnerOutput, embed
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
 from specla_hf.models.one_token import (fusable_gated_head, fused_rows, fused_tree_pass, product, recurrent_step_,
                                        unit_offset_weight)
@@ -285,7 +285,7 @@ class HybridRunner(GraphedAdapter):
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
-        h = self.decoder.embed_tokens(input_ids)
+        h = embed(self.decoder.embed_tokens, input_ids)
         attention = self._attention_inputs(h, cache, pending_before, parents is not None)
         if parents is not None and self.fused_step and fused_tree_pass(B, T):
             return self._verify_fused(h[0], cache, all_parents, attention, logits_positions, hidden_layers)
