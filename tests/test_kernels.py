@@ -625,6 +625,32 @@ def test_gated_norm_matches_reference(device, dtype):
                 check(y, ref.rms_norm_gated_ref(x, gate, weight, bias, 1e-5, act), TOL[dtype], f"{act} {B, T}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_embed_norm_cat_matches_reference(device, dtype):
+    """A drafter pass's input rows against ``embed_norm_cat_ref``: repeated and out-of-order tokens, strided feature
+    rows, both halves' order, unit-offset fp32 scales (the MTP head's) and model-dtype ones, odd widths; on CUDA the
+    1.3B drafter's and the 9B MTP head's widths."""
+    from specla_kernels.input_norm import embed_norm_cat
+    gen = seeded(dtype, "embed_norm_cat")
+    widths = [(37, 11, 24), (5, 1, 40), (300, 17, 64)] if device == "cpu" else [(8192, 29, 2048), (2000, 9, 4096)]
+    for V, T, H in widths:
+        table = torch.randn(V, H, generator=gen).to(device, dtype) * 3
+        tokens = torch.randint(0, V, (T,), generator=gen)
+        tokens[-1] = tokens[0]                                          # a token twice
+        tokens = tokens.to(device)
+        wide = torch.randn(T, H + 5, generator=gen).to(device, dtype) * 0.2
+        feature = wide[:, 3:3 + H]                                     # rows H + 5 apart
+        r = lambda: torch.randn(H, generator=gen).to(device)  # noqa: E731
+        for w_e, w_f in [(r().to(dtype), r().to(dtype)), (1 + r() * 0.1, 1 + r())]:
+            for feature_first in (False, True):
+                y = embed_norm_cat(table, tokens, feature, w_e, 1e-6, w_f, 1e-5, feature_first)
+                assert y.dtype == dtype
+                want = ref.embed_norm_cat_ref(table, tokens, feature, w_e, 1e-6, w_f, 1e-5, feature_first)
+                check(y, want, 1e-6 if dtype == torch.float32 else 1e-2, f"{V, T, H} {feature_first}")
+                assert not torch.equal(y[:, :H], y[:, H:])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the decode step's GEMVs with their fused prologues / epilogues
 # ----------------------------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
 
 def call_every_wrapper():
     """Each SpecLA kernel wrapper once per distinct compile (1.3B layer shapes, bf16 model, fp32 state)."""
-    from specla_kernels import (accept, commit, draft_expand, draw, fused_gemm, gate, gated_norm, gemv,
+    from specla_kernels import (accept, commit, draft_expand, draw, fused_gemm, gate, gated_norm, gemv, input_norm,
                                 masked_attention, topk, tree_conv, tree_delta)
     bf, f32 = torch.bfloat16, torch.float32
     H, K, V, D, W, N = 6, 256, 512, 2 * 6 * 256 + 6 * 512, 4, 64
@@ -96,6 +96,10 @@ def call_every_wrapper():
                                          z(1, n, H, dtype=f32), parents[:, :n], state, config=dict(SMALL=True))
     gate.gdn_gate_beta(z(1, N, H), z(1, N, H), z(H, dtype=f32), z(H, dtype=f32))
     gated_norm.rms_norm_gated(z(1, N, H, V), z(1, N, H, V), z(V), None, 1e-5)
+    input_norm.embed_norm_cat(z(8192, 2048), torch.zeros(9, dtype=torch.long), z(9, 2048), z(2048), 1e-6, z(2048),
+                              1e-6)
+    input_norm.embed_norm_cat(z(248320, 4096), torch.zeros(9, dtype=torch.long), z(9, 4096), z(4096, dtype=f32), 1e-6,
+                              z(4096, dtype=f32), 1e-6, feature_first=True)      # the MTP head's unit-offset scales
     x = z(1, N, D)
     tree_conv.tree_conv(x, z(D, W), None, z(1, D, W), parents, x_out=z(1, N, D))
     tree_conv.tree_conv_gates(x, z(D, W), None, z(1, D, W), parents, z(1, N, H), z(1, N, H), z(H, dtype=f32),
@@ -169,7 +173,7 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
             "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_rank_kernel",
             "draw_row_kernel", "draw_slices_kernel", "draw_merge_kernel",
             "draw_logq_kernel", "warp_slices_kernel", "warp_merge_kernel", "warp_write_kernel",
-            "attention_mask_kernel"} <= names, names
+            "attention_mask_kernel", "embed_norm_cat_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",

@@ -18,6 +18,7 @@ from specla_kernels import fused_gemm as _fused_gemm
 from specla_kernels import gate as _gate
 from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import gemv as _gemv
+from specla_kernels import input_norm as _input_norm
 from specla_kernels import masked_attention as _masked_attention
 from specla_kernels import qk_norm_rope as _qk_norm_rope
 from specla_kernels import topk as _topk
@@ -234,6 +235,15 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None
     if use_triton(x):
         return _gated_norm.rms_norm_gated(x, g, weight, bias, eps, activation)
     return reference.rms_norm_gated_ref(x, g, weight, bias, eps, activation)
+
+
+def embed_norm_cat(table: torch.Tensor, tokens: torch.Tensor, feature: torch.Tensor, w_e: torch.Tensor, eps_e: float,
+                   w_f: torch.Tensor, eps_f: float, feature_first: bool = False) -> torch.Tensor:
+    """A drafter pass's input rows ``[T, 2H]``: the embedding rows of ``tokens [T]`` and ``feature [T, H]``, each
+    RMS-normalised with its own scale, side by side (see ``embed_norm_cat_ref``); one launch."""
+    if use_triton(feature):
+        return _input_norm.embed_norm_cat(table, tokens, feature, w_e, eps_e, w_f, eps_f, feature_first)
+    return reference.embed_norm_cat_ref(table, tokens, feature, w_e, eps_e, w_f, eps_f, feature_first)
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, **fused) -> torch.Tensor:
