@@ -121,8 +121,8 @@ def test_decode_time_features_and_positions_match_training(target, drafter):
     assert eagle.consumed == 7
     # a depth-1 node: its parent, the root, is in the committed state; it reads the root's output hidden
     buf.tokens[1], buf.parents[1] = ids[0, 8], -1
-    eagle.add_nodes(1, torch.tensor([0]))
-    torch.testing.assert_close(eagle.score(2)[1], logp_deep, **tol)
+    eagle.add_nodes(1, torch.tensor([0]), None)
+    torch.testing.assert_close(eagle.score(2)[0][1], logp_deep, **tol)
     # the target verifies the chain ids[7..10], accepts all of it, and hands over its features
     chain = torch.tensor([[-1, 0, 1, 2]])
     verify = runner.forward(ids[:, 7:11], cache, parents=chain, hidden_layers=eagle.feature_layers)

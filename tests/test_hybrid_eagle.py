@@ -84,8 +84,8 @@ def test_decode_time_features_and_positions_match_training(pair):
     buf.tokens[0] = ids[0, 7]                                    # root: the pending token
     torch.testing.assert_close(eagle.start(ids[:, :8]), logp_seq[6], **tol)
     buf.tokens[1], buf.parents[1] = ids[0, 8], -1
-    eagle.add_nodes(1, torch.tensor([0]))
-    torch.testing.assert_close(eagle.score(2)[1], logp_deep, **tol)
+    eagle.add_nodes(1, torch.tensor([0]), None)
+    torch.testing.assert_close(eagle.score(2)[0][1], logp_deep, **tol)
     verify = runner.forward(ids[:, 7:11], cache, parents=torch.tensor([[-1, 0, 1, 2]]),
                             hidden_layers=eagle.feature_layers)
     runner.commit(cache, [0, 1, 2, 3])

@@ -272,14 +272,17 @@ class DynamicTreeDrafter:
         scores it (its token is written by ``launch``)."""
         raise NotImplementedError
 
-    def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
+    def score(self, n: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the drafter over tree slots ``0..n`` from its committed state (inputs in ``self.buffers``); draft
-        log-probs ``[len(rows), vocab]`` of the slots ``rows`` (the LM head runs on those only). Runs inside a
+        log-probs ``[len(rows), vocab]`` of the slots ``rows`` (the LM head runs on those only), and the pass's
+        per-slot outputs that ``add_nodes`` hands on to new nodes (``None``: the drafter hands on none). Runs inside a
         CUDA-graph capture: no host synchronisation, no state kept."""
         raise NotImplementedError
 
-    def add_nodes(self, first: int, parents: torch.Tensor) -> None:
-        """Write the inputs, other than tokens and parents, of the new nodes ``first..first+len(parents)``."""
+    def add_nodes(self, first: int, parents: torch.Tensor, outputs: torch.Tensor | None) -> None:
+        """Write the inputs, other than tokens and parents, of the new nodes ``first..first+len(parents)``;
+        ``outputs``: what this depth's ``score`` returned beside the log-probs, ``None`` at a depth that scored
+        nothing (the root's children, once ``start`` consumed the root)."""
 
     def add_features(self, features: tuple[torch.Tensor, ...], positions: list[int] | None = None) -> None:
         """Target hidden states (one ``[1, T, hidden]`` per feature layer) of the positions the target just
@@ -333,9 +336,9 @@ class DynamicTreeDrafter:
         n, F = 1 + K * (d - 1), (1 if d == 1 else K)             # nodes so far; the newest F are the frontier
         graphs = self.runner.graphs is not None
         if d == 1 and root_consumed:
-            logp = b.root_logp[None]                              # from ``start``
+            logp, outputs = b.root_logp[None], None               # from ``start``
         else:
-            logp = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))    # the frontier's log-probs
+            logp, outputs = self.score(tree_bucket(n) if graphs else n, slice(n - F, n))  # the frontier's log-probs
         top_logp, top_rank, top_token = self._children(logp, n - F, K)
         if self.draft_vocab is not None:                          # indices into the draft vocabulary: token ids
             top_token = self.draft_vocab[top_token]
@@ -345,7 +348,7 @@ class DynamicTreeDrafter:
                             0 if d == 1 else candidate_count(K, d - 1))
         if self.draft_sampling is not None:       # where the next frontier's draws will be kept
             b.cand_slot.index_copy_(0, b.frontier_cand[d], b.slot_ids[n:n + K])
-        self.add_nodes(n, b.parents[n:n + K])
+        self.add_nodes(n, b.parents[n:n + K], outputs)
         if d == 1 and root_consumed:
             b.parents[1:1 + K].fill_(-1)      # the root is in the committed state: its children hang off that
 

@@ -77,10 +77,10 @@ class SpecLADartDrafter(SpecLADrafter):
         self.ngram_logp.copy_(logp)
         self.ngram_floor.copy_(floor)
 
-    def block_input(self, fused: torch.Tensor, inputs_embeds: torch.Tensor, n_slots: int = 0) -> torch.Tensor:
-        """``SpecLADrafter.block_input``, with the last ``n_slots`` rows' inputs the learned slot inputs instead
+    def project_input(self, normed: torch.Tensor, n_slots: int = 0) -> torch.Tensor:
+        """``SpecLADrafter.project_input``, with the last ``n_slots`` rows' inputs the learned slot inputs instead
         (their features and tokens are not read)."""
-        x = super().block_input(fused, inputs_embeds)
+        x = super().project_input(normed)
         if not n_slots:
             return x
         slots = self.slot_inputs[:n_slots].to(x.dtype)[None].expand(x.shape[0], -1, -1)

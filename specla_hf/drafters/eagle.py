@@ -165,9 +165,15 @@ class SpecLADrafter(PreTrainedModel):
         the adapters' layer ``i``, its last entry layer ``L`` after the target's final norm (module docstring)."""
         return [hidden_states[i] for i in self.config.feature_layers]
 
-    def block_input(self, fused: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        """``[embedding of token t+1 ; feature of position t]`` -> the GDN block's input."""
-        return self.in_proj(torch.cat([self.embed_norm(inputs_embeds), self.feature_norm(fused)], -1))
+    def block_input(self, fused: torch.Tensor, inputs_embeds: torch.Tensor, *more) -> torch.Tensor:
+        """``[embedding of token t+1 ; feature of position t]`` -> the GDN block's input (``more``: what
+        ``project_input`` takes beyond the normed rows)."""
+        return self.project_input(torch.cat([self.embed_norm(inputs_embeds), self.feature_norm(fused)], -1), *more)
+
+    def project_input(self, normed: torch.Tensor) -> torch.Tensor:
+        """``[embed_norm(embedding) ; feature_norm(feature)]`` -> the GDN block's input. Decoding computes the normed
+        rows in one kernel (``ops.embed_norm_cat``) and enters here."""
+        return self.in_proj(normed)
 
     def forward(self, fused: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """Sequence mode (training): ``fused [B, T, H]`` from ``fuse`` (or the drafter's own outputs, shifted),
@@ -223,7 +229,7 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
     """``GDNRunner``'s machinery (tree verification and factors, CUDA graphs, tree buckets) on the drafter's block.
 
     A call's inputs are ``(fused features [1, T, H], tokens [1, T], *more)`` instead of token ids (``more``: further
-    arguments of the drafter's ``block_input``, e.g. ``SpecLADartDrafter``'s slots); its ``logits`` are the
+    arguments of the drafter's ``project_input``, e.g. ``SpecLADartDrafter``'s slots); its ``logits`` are the
     draft log-probs (fp32) and its one hidden state the drafter's output ``h``.
     """
 
@@ -233,18 +239,20 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         self.mixers = [drafter.block.attn]
         self._bind_target(drafter, target, cuda_graphs)
         self._fuse_weights()
+        self.one_kernel_inputs = (type(self.embeddings) is nn.Embedding and self.embeddings.max_norm is None
+                                  and plain_norm(drafter.embed_norm) and plain_norm(drafter.feature_norm))
         # tree passes through fused_gemm products (GDNRunner._fused_layer) where the block and head allow them
         self.fused_tree = (fused_block(drafter.block) and plain_norm(drafter.norm)
                            and getattr(self.lm_head, "bias", None) is None)
 
     def compute(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
-        fused, tokens, *more = inputs                 # more: what the drafter's block_input takes beyond these
+        fused, tokens, *more = inputs                 # more: what the drafter's project_input takes beyond these
         if parents is None:
             cache.check_consumable()
             all_parents = None
         else:
             all_parents = cache.add_nodes(parents)
-        x = self.model.block_input(fused, self.embeddings(tokens), *more)
+        x = self.model.project_input(self._normed_inputs(fused, tokens), *more)
         block, norm = self.blocks[0], self.model.norm
         if parents is not None and self.fused_tree and fused_tree_pass(*x.shape[:2]):
             h = self._fused_layer(block, cache.layers[0], x[0], all_parents, cache.ancestors)
@@ -258,14 +266,26 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
             logits = self.lm_head(top if logits_positions is None else top[:, logits_positions])
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (h,))    # fp32, no cast copy
 
+    def _normed_inputs(self, fused: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """``[embed_norm(E[tokens]) ; feature_norm(fused)]`` ``[B, T, 2H]``: one kernel where the embedding is a plain
+        lookup and both norms fla's plain ``RMSNorm``, else the modules."""
+        m = self.model
+        if not self.one_kernel_inputs:
+            return torch.cat([m.embed_norm(self.embeddings(tokens)), m.feature_norm(fused)], -1)
+        B, T, H = fused.shape
+        return ops.embed_norm_cat(self.embeddings.weight, tokens.reshape(-1), fused.reshape(B * T, H),
+                                  m.embed_norm.weight, m.embed_norm.eps, m.feature_norm.weight,
+                                  m.feature_norm.eps).view(B, T, 2 * H)
+
 
 class EagleBuffers(DraftBuffers):
-    """The shared tree buffers plus, per slot, the node's input feature and its output hidden state."""
+    """The shared tree buffers plus, per slot, the node's input feature, and the root's output hidden state (its
+    children's feature; deeper nodes read their parents' from the depth's own pass)."""
 
     def __init__(self, topk: int, depth: int, device: torch.device, hidden_size: int, dtype: torch.dtype):
         super().__init__(topk, depth, device)
         self.fused = torch.zeros(1, self.capacity, hidden_size, dtype=dtype, device=device)
-        self.hidden = torch.zeros(self.capacity, hidden_size, dtype=dtype, device=device)
+        self.root_hidden = torch.zeros(1, hidden_size, dtype=dtype, device=device)
 
 
 class EagleDrafter(DynamicTreeDrafter):
@@ -362,19 +382,19 @@ class EagleDrafter(DynamicTreeDrafter):
         tokens = input_ids[:, self.consumed + 1:committed + 1]      # the runner copies host tokens in, no sync
         out = self.runner.forward((self.features[:, :n], tokens), self.cache, logits_positions=slice(-1, None))
         self.features, self.consumed = self.features[:, n:], committed
-        self.buffers.hidden[0].copy_(out.hidden_states[0][0, -1])       # what the root's children read
+        self.buffers.root_hidden[0].copy_(out.hidden_states[0][0, -1])       # what the root's children read
         return out.logits[0, -1]
 
-    def score(self, n: int, rows: slice = slice(None)) -> torch.Tensor:
+    def score(self, n: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.buffers
         out = self.runner.compute((b.fused[:, :n], b.tokens[None, :n]), self.cache, b.parents[None, :n], rows, ())
         self.cache.discard()
-        b.hidden[:n] = out.hidden_states[0][0]
-        return out.logits[0]
+        return out.logits[0], out.hidden_states[0][0]
 
-    def add_nodes(self, first: int, parents: torch.Tensor) -> None:
-        b = self.buffers
-        b.fused[0, first:first + parents.shape[0]] = b.hidden[parents]              # parents' outputs (EAGLE)
+    def add_nodes(self, first: int, parents: torch.Tensor, outputs: torch.Tensor | None) -> None:
+        b = self.buffers         # each new node's feature: its parent's output hidden state (EAGLE), one gather
+        source = b.root_hidden if outputs is None else outputs
+        torch.index_select(source, 0, parents, out=b.fused[0, first:first + parents.shape[0]])
 
     # ---- steps accepted on the device (``speculative_decode``'s device loop) ----
     catches_up_on_device = True
@@ -392,7 +412,7 @@ class EagleDrafter(DynamicTreeDrafter):
         last = accepted.length - 1
         out = self.runner.compute((fused, accepted.emitted[None]), self.cache, b.chain, last, ())
         self._root_from(accepted, last, out.logits[0, 0])
-        b.hidden[0].copy_(out.hidden_states[0][0].index_select(0, last)[0])     # what the root's children read
+        b.root_hidden.copy_(out.hidden_states[0][0].index_select(0, last))     # what the root's children read
 
 
 def register_auto_classes() -> None:

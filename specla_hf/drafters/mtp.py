@@ -50,9 +50,10 @@ from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
 from specla_hf.models.base import RunnerOutput
-from specla_hf.models.one_token import fused_tree_pass
+from specla_hf.models.one_token import fused_tree_pass, unit_offset_weight
 from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, experts_blocker, fused_block, text_decoder
 from specla_hf.models.tree_attention import attention_inputs
+from specla_kernels import ops
 
 # text-config model_type -> (modeling module, decoder-layer class, RMSNorm class) the MTP layer is built from
 FAMILIES = {
@@ -253,26 +254,22 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         else:
             cache.add_nodes(parents)
             ancestors = cache.ancestors[:, pending_before:]
-        embeds = self.embeddings(tokens)
         fused = parents is not None and self.fused_tree and fused_tree_pass(*tokens.shape)
-        out = self._mtp_layer(embeds, hidden, layer, attention_inputs(self.rotary_emb, embeds, layer, ancestors),
+        out = self._mtp_layer(tokens, hidden, layer, attention_inputs(self.rotary_emb, hidden, layer, ancestors),
                               pending=parents is not None, fused=fused)
         top = out if logits_positions is None else out[:, logits_positions]
         logits = self.lm_head(top) if self.draft_head is None else F.linear(top, self.draft_head)
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (out,))
 
 
-    def _mtp_layer(self, embeds: torch.Tensor, hidden: torch.Tensor, layer: SpecLAAttentionLayer, attention,
+    def _mtp_layer(self, tokens: torch.Tensor, hidden: torch.Tensor, layer: SpecLAAttentionLayer, attention,
                    pending: bool, fused: bool = False) -> torch.Tensor:
         """``MtpLayer.forward`` through the target runner's pieces (one kernel per zero-centred norm, ``_attention``,
         ``_mlp``; with ``fused``, tree nodes of batch 1, the block as ``_fused_block``): what the module computes, up
         to where 16-bit intermediates round; its own ops take about twice the launches, and a draft depth is bound
         by them."""
         mtp = self.model.layer
-        inputs = [self._norm(mtp.enorm, embeds), self._norm(mtp.hnorm, hidden)]
-        if getattr(mtp.config, "mtp_hidden_states_first", False):
-            inputs.reverse()
-        h = mtp.eh_proj(torch.cat(inputs, -1))
+        h = mtp.eh_proj(self._normed_inputs(tokens, hidden))
         block = mtp.mtp_block
         if fused:
             h = self._fused_block(block, "full_attention", layer, h[0], None, None, attention)[None]
@@ -284,6 +281,20 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
                 return self._norm(mtp.post_norm, out, residual=h)[0]
             return h + out
         return self._norm(mtp.post_norm, h) if mtp.use_post_norm else h
+
+
+    def _normed_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``[enorm(E[tokens]) ; hnorm(hidden)]`` ``[B, T, 2H]`` (the other way round where the config says the
+        hidden state comes first): one kernel with one-kernel norms and a plain embedding lookup."""
+        mtp = self.model.layer
+        hidden_first = getattr(mtp.config, "mtp_hidden_states_first", False)
+        if not (self.one_kernel_norms and type(self.embeddings) is nn.Embedding and self.embeddings.max_norm is None):
+            inputs = [self._norm(mtp.enorm, self.embeddings(tokens)), self._norm(mtp.hnorm, hidden)]
+            return torch.cat(inputs[::-1] if hidden_first else inputs, -1)
+        B, T, H = hidden.shape
+        return ops.embed_norm_cat(self.embeddings.weight, tokens.reshape(-1), hidden.reshape(B * T, H),
+                                  unit_offset_weight(mtp.enorm), mtp.enorm.eps, unit_offset_weight(mtp.hnorm),
+                                  mtp.hnorm.eps, feature_first=hidden_first).view(B, T, 2 * H)
 
 
 class MTPTreeDrafter(EagleDrafter):
