@@ -43,7 +43,7 @@ from specla_hf.drafters.base import DraftBuffers, DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS
 from specla_hf.runtime.transfer import copy_in, to_device
-from specla_hf.models.base import RunnerOutput
+from specla_hf.models.base import RunnerOutput, plain_lookup
 from specla_hf.models.fla_gdn import GDNRunner, fused_block, plain_norm
 from specla_hf.models.one_token import fused_tree_pass
 from specla_hf.models.qwen3_5 import text_decoder
@@ -239,8 +239,7 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         self.mixers = [drafter.block.attn]
         self._bind_target(drafter, target, cuda_graphs)
         self._fuse_weights()
-        self.one_kernel_inputs = (type(self.embeddings) is nn.Embedding and self.embeddings.max_norm is None
-                                  and plain_norm(drafter.embed_norm) and plain_norm(drafter.feature_norm))
+        self.one_kernel_inputs = plain_norm(drafter.embed_norm) and plain_norm(drafter.feature_norm)
         # tree passes through fused_gemm products (GDNRunner._fused_layer) where the block and head allow them
         self.fused_tree = (fused_block(drafter.block) and plain_norm(drafter.norm)
                            and getattr(self.lm_head, "bias", None) is None)
@@ -267,10 +266,10 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (h,))    # fp32, no cast copy
 
     def _normed_inputs(self, fused: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """``[embed_norm(E[tokens]) ; feature_norm(fused)]`` ``[B, T, 2H]``: one kernel where the embedding is a plain
-        lookup and both norms fla's plain ``RMSNorm``, else the modules."""
+        """``[embed_norm(E[tokens]) ; feature_norm(fused)]`` ``[B, T, 2H]``: one kernel where the embedding is a
+        ``plain_lookup`` and both norms fla's plain ``RMSNorm``, else the modules."""
         m = self.model
-        if not self.one_kernel_inputs:
+        if not (self.one_kernel_inputs and plain_lookup(self.embeddings)):
             return torch.cat([m.embed_norm(self.embeddings(tokens)), m.feature_norm(fused)], -1)
         B, T, H = fused.shape
         return ops.embed_norm_cat(self.embeddings.weight, tokens.reshape(-1), fused.reshape(B * T, H),

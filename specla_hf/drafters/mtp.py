@@ -49,7 +49,7 @@ from specla_hf.drafters import mtp_checkpoint
 from specla_hf.drafters.base import DynamicTreeDrafter
 from specla_hf.drafters.options import DraftOptions
 from specla_hf.drafters.eagle import EagleDrafter, TargetBoundRunner
-from specla_hf.models.base import RunnerOutput
+from specla_hf.models.base import RunnerOutput, plain_lookup
 from specla_hf.models.one_token import fused_tree_pass, unit_offset_weight
 from specla_hf.models.qwen3_5 import MASKED_ATTENTION, HybridRunner, experts_blocker, fused_block, text_decoder
 from specla_hf.models.tree_attention import attention_inputs
@@ -285,10 +285,10 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
 
     def _normed_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``[enorm(E[tokens]) ; hnorm(hidden)]`` ``[B, T, 2H]`` (the other way round where the config says the
-        hidden state comes first): one kernel with one-kernel norms and a plain embedding lookup."""
+        hidden state comes first): one kernel with one-kernel norms and a ``plain_lookup`` embedding."""
         mtp = self.model.layer
         hidden_first = getattr(mtp.config, "mtp_hidden_states_first", False)
-        if not (self.one_kernel_norms and type(self.embeddings) is nn.Embedding and self.embeddings.max_norm is None):
+        if not (self.one_kernel_norms and plain_lookup(self.embeddings)):
             inputs = [self._norm(mtp.enorm, self.embeddings(tokens)), self._norm(mtp.hnorm, hidden)]
             return torch.cat(inputs[::-1] if hidden_first else inputs, -1)
         B, T, H = hidden.shape

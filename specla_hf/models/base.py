@@ -14,12 +14,17 @@ import torch
 import torch.nn as nn
 
 
+def plain_lookup(embedding: nn.Module) -> bool:
+    """Whether ``embedding`` is a plain ``nn.Embedding`` lookup that no forward hook observes: its rows can then be
+    gathered without calling the module (``embed``, and the drafters' input kernel)."""
+    return (type(embedding) is nn.Embedding and embedding.max_norm is None
+            and not embedding._forward_hooks and not embedding._forward_pre_hooks)
+
+
 def embed(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """``embedding(ids)``, a plain ``nn.Embedding`` as an indexing gather: for a few tokens aten's lookup takes its
+    """``embedding(ids)``, a ``plain_lookup`` as an indexing gather: for a few tokens aten's lookup takes its
     small-index kernel, which walks the tokens one after another (a tree's embedding then costs more than its norm)."""
-    if type(embedding) is nn.Embedding and embedding.max_norm is None:
-        return embedding.weight[ids]
-    return embedding(ids)
+    return embedding.weight[ids] if plain_lookup(embedding) else embedding(ids)
 
 
 @dataclass
