@@ -261,13 +261,12 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         logits = self.lm_head(top) if self.draft_head is None else F.linear(top, self.draft_head)
         return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (out,))
 
-
     def _mtp_layer(self, tokens: torch.Tensor, hidden: torch.Tensor, layer: SpecLAAttentionLayer, attention,
                    pending: bool, fused: bool = False) -> torch.Tensor:
-        """``MtpLayer.forward`` through the target runner's pieces (one kernel per zero-centred norm, ``_attention``,
-        ``_mlp``; with ``fused``, tree nodes of batch 1, the block as ``_fused_block``): what the module computes, up
-        to where 16-bit intermediates round; its own ops take about twice the launches, and a draft depth is bound
-        by them."""
+        """``MtpLayer.forward`` through the target runner's pieces (the input rows in one kernel, one kernel per other
+        zero-centred norm, ``_attention``, ``_mlp``; with ``fused``, tree nodes of batch 1, the block as
+        ``_fused_block``): what the module computes, up to where 16-bit intermediates round; its own ops take about
+        twice the launches, and a draft depth is bound by them."""
         mtp = self.model.layer
         h = mtp.eh_proj(self._normed_inputs(tokens, hidden))
         block = mtp.mtp_block
@@ -281,7 +280,6 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
                 return self._norm(mtp.post_norm, out, residual=h)[0]
             return h + out
         return self._norm(mtp.post_norm, h) if mtp.use_post_norm else h
-
 
     def _normed_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``[enorm(E[tokens]) ; hnorm(hidden)]`` ``[B, T, 2H]`` (the other way round where the config says the

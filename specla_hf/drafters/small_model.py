@@ -31,7 +31,7 @@ class GDNDrafter(DynamicTreeDrafter):
         b = self.buffers
         out = self.runner.compute(b.tokens[None, :n], self.cache, b.parents[None, :n], rows, ())
         self.cache.discard()
-        return torch.log_softmax(out.logits[0], -1, dtype=torch.float32), None     # fp32 in one kernel, no cast copy
+        return torch.log_softmax(out.logits[0], -1, dtype=torch.float32), None     # fp32 log-probs
 
     # ---- steps accepted on the device (``speculative_decode``'s device loop) ----
     catches_up_on_device = True
