@@ -46,6 +46,12 @@ def embed_norm_cat(table: torch.Tensor, tokens: torch.Tensor, feature: torch.Ten
     """Triton twin of ``embed_norm_cat_ref``: ``table [V, H]`` (unit-stride rows), ``tokens [T]``, ``feature [T, H]``
     (rows may be strided) -> ``[T, 2H]`` in ``feature``'s dtype."""
     T, H = feature.shape
+    if table.shape[-1] != H or w_e.shape != (H,) or w_f.shape != (H,) or tokens.shape != (T,):
+        raise ValueError(f"embed_norm_cat: feature [{T}, {H}] needs tokens [{T}], a [vocab, {H}] table and scales of "
+                         f"{H}; got tokens {list(tokens.shape)}, table {list(table.shape)}, scales {list(w_e.shape)} / "
+                         f"{list(w_f.shape)}")
+    if table.stride(-1) != 1 or feature.stride(-1) != 1:
+        raise ValueError("embed_norm_cat needs unit-stride rows of the table and the feature")
     y = feature.new_empty(T, 2 * H)
     if not T:
         return y
