@@ -649,6 +649,9 @@ def test_embed_norm_cat_matches_reference(device, dtype):
                 want = ref.embed_norm_cat_ref(table, tokens, feature, w_e, 1e-6, w_f, 1e-5, feature_first)
                 check(y, want, 1e-6 if dtype == torch.float32 else 1e-2, f"{V, T, H} {feature_first}")
                 assert not torch.equal(y[:, :H], y[:, H:])
+                # a runner's batch of one: [1, T] tokens, [1, T, H] features
+                assert torch.equal(embed_norm_cat(table, tokens[None], feature[None], w_e, 1e-6, w_f, 1e-5,
+                                                  feature_first), y[None])
     with pytest.raises(ValueError, match="table"):                     # a table of another width: no stray reads
         embed_norm_cat(table[:, :-1].contiguous(), tokens, feature, w_e, 1e-6, w_f, 1e-5)
 

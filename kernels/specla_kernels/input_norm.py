@@ -43,21 +43,23 @@ def embed_norm_cat_kernel(table, stride_table, tokens, feature, stride_feature, 
 
 def embed_norm_cat(table: torch.Tensor, tokens: torch.Tensor, feature: torch.Tensor, w_e: torch.Tensor, eps_e: float,
                    w_f: torch.Tensor, eps_f: float, feature_first: bool = False) -> torch.Tensor:
-    """Triton twin of ``embed_norm_cat_ref``: ``table [V, H]`` (unit-stride rows), ``tokens [T]``, ``feature [T, H]``
-    (rows may be strided) -> ``[T, 2H]`` in ``feature``'s dtype."""
-    T, H = feature.shape
-    if table.shape[-1] != H or w_e.shape != (H,) or w_f.shape != (H,) or tokens.shape != (T,):
-        raise ValueError(f"embed_norm_cat: feature [{T}, {H}] needs tokens [{T}], a [vocab, {H}] table and scales of "
-                         f"{H}; got tokens {list(tokens.shape)}, table {list(table.shape)}, scales {list(w_e.shape)} / "
-                         f"{list(w_f.shape)}")
+    """Triton twin of ``embed_norm_cat_ref``: ``table [V, H]`` (unit-stride rows), ``tokens [..., T]``, ``feature
+    [..., T, H]`` (rows may be strided) -> ``[..., T, 2H]`` in ``feature``'s dtype."""
+    H = feature.shape[-1]
+    if table.shape[-1] != H or w_e.shape != (H,) or w_f.shape != (H,) or tokens.shape != feature.shape[:-1]:
+        raise ValueError(f"embed_norm_cat: feature {list(feature.shape)} needs tokens {list(feature.shape[:-1])}, a "
+                         f"[vocab, {H}] table and scales of {H}; got tokens {list(tokens.shape)}, table "
+                         f"{list(table.shape)}, scales {list(w_e.shape)} / {list(w_f.shape)}")
     if table.stride(-1) != 1 or feature.stride(-1) != 1:
         raise ValueError("embed_norm_cat needs unit-stride rows of the table and the feature")
-    y = feature.new_empty(T, 2 * H)
+    rows, tokens = feature.reshape(-1, H), tokens.reshape(-1)
+    T = rows.shape[0]
+    y = feature.new_empty(*feature.shape[:-1], 2 * H)
     if not T:
         return y
     on = pdl.small_enabled(feature.device)
     BH = triton.next_power_of_2(H)
-    embed_norm_cat_kernel[(T, 2)](table, table.stride(0), tokens, feature, feature.stride(0), w_e, w_f, y, H, eps_e,
+    embed_norm_cat_kernel[(T, 2)](table, table.stride(0), tokens, rows, rows.stride(0), w_e, w_f, y, H, eps_e,
                                   eps_f, FEATURE_FIRST=feature_first, BH=BH, PDL=on,
                                   num_warps=8 if BH >= 4096 else 4, launch_pdl=on)
     return y

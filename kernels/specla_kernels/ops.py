@@ -239,8 +239,8 @@ def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None
 
 def embed_norm_cat(table: torch.Tensor, tokens: torch.Tensor, feature: torch.Tensor, w_e: torch.Tensor, eps_e: float,
                    w_f: torch.Tensor, eps_f: float, feature_first: bool = False) -> torch.Tensor:
-    """A drafter pass's input rows ``[T, 2H]``: the embedding rows of ``tokens [T]`` and ``feature [T, H]``, each
-    RMS-normalised with its own scale, side by side (see ``embed_norm_cat_ref``); one launch."""
+    """A drafter pass's input rows ``[..., T, 2H]``: the embedding rows of ``tokens [..., T]`` and ``feature [..., T,
+    H]``, each RMS-normalised with its own scale, side by side (see ``embed_norm_cat_ref``); one launch."""
     if use_triton(feature):
         return _input_norm.embed_norm_cat(table, tokens, feature, w_e, eps_e, w_f, eps_f, feature_first)
     return reference.embed_norm_cat_ref(table, tokens, feature, w_e, eps_e, w_f, eps_f, feature_first)

@@ -378,7 +378,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tenso
 
 def embed_norm_cat_ref(table: torch.Tensor, tokens: torch.Tensor, feature: torch.Tensor, w_e: torch.Tensor,
                        eps_e: float, w_f: torch.Tensor, eps_f: float, feature_first: bool = False) -> torch.Tensor:
-    """A drafter pass's input rows ``[T, 2H]``: ``[rmsnorm(table[tokens]) * w_e ; rmsnorm(feature) * w_f]`` (the
+    """A drafter pass's input rows ``[..., T, 2H]``: ``[rmsnorm(table[tokens]) * w_e ; rmsnorm(feature) * w_f]`` (the
     halves swapped with ``feature_first``), each half as ``rms_norm_ref`` (fp32, rounded once)."""
     halves = [rms_norm_ref(table[tokens], w_e, None, eps_e), rms_norm_ref(feature, w_f, None, eps_f)]
     return torch.cat(halves[::-1] if feature_first else halves, -1)

@@ -272,10 +272,8 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         m = self.model
         if not (self.one_kernel_inputs and plain_lookup(self.embeddings)):
             return torch.cat([m.embed_norm(self.embeddings(tokens)), m.feature_norm(fused)], -1)
-        B, T, H = fused.shape
-        return ops.embed_norm_cat(self.embeddings.weight, tokens.reshape(-1), fused.reshape(B * T, H),
-                                  m.embed_norm.weight, m.embed_norm.eps, m.feature_norm.weight,
-                                  m.feature_norm.eps).view(B, T, 2 * H)
+        return ops.embed_norm_cat(self.embeddings.weight, tokens, fused, m.embed_norm.weight, m.embed_norm.eps,
+                                  m.feature_norm.weight, m.feature_norm.eps)
 
 
 class EagleBuffers(DraftBuffers):

@@ -289,10 +289,8 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
         if not (self.one_kernel_norms and plain_lookup(self.embeddings)):
             inputs = [self._norm(mtp.enorm, self.embeddings(tokens)), self._norm(mtp.hnorm, hidden)]
             return torch.cat(inputs[::-1] if hidden_first else inputs, -1)
-        B, T, H = hidden.shape
-        return ops.embed_norm_cat(self.embeddings.weight, tokens.reshape(-1), hidden.reshape(B * T, H),
-                                  unit_offset_weight(mtp.enorm), mtp.enorm.eps, unit_offset_weight(mtp.hnorm),
-                                  mtp.hnorm.eps, feature_first=hidden_first).view(B, T, 2 * H)
+        return ops.embed_norm_cat(self.embeddings.weight, tokens, hidden, unit_offset_weight(mtp.enorm), mtp.enorm.eps,
+                                  unit_offset_weight(mtp.hnorm), mtp.hnorm.eps, feature_first=hidden_first)
 
 
 class MTPTreeDrafter(EagleDrafter):
