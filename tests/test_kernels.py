@@ -656,38 +656,6 @@ def test_embed_norm_cat_matches_reference(device, dtype):
         embed_norm_cat(table[:, :-1].contiguous(), tokens, feature, w_e, 1e-6, w_f, 1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_skinny_gemm_matches_reference(device, dtype):
-    """A tree pass's plain products against ``skinny_gemm_ref`` for 1 to 64 rows (padded to 16, 32, 64), odd column
-    counts and a K that no step divides, strided rows, a batch dim: the default launch, one whole-row program a column
-    block and K slices summed by the last program (twice: the counters re-arm and the in-order sum gives the same
-    bits). On CUDA the 1.3B shape's input projection and down projection."""
-    from specla_kernels.skinny_gemm import MAX_ROWS, skinny_gemm
-    gen = seeded(dtype, "skinny_gemm")
-    shapes = [(37, 40), (70, 200), (16, 48)] if device == "cpu" else [(9228, 2048), (2048, 5632), (301, 1000)]
-    small = dict(num_warps=1, num_stages=1) if device == "cpu" else dict(num_warps=4, num_stages=3)
-    bk = 16 if device == "cpu" else 64
-    launches = {"whole rows": dict(BN=16, BK=bk, S=1, **small), "K slices": dict(BN=32, BK=bk, S=3, **small)}
-    for N, K in shapes:
-        w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device, dtype)
-        for M in (1, 5, 19, MAX_ROWS) if device == "cpu" else (1, 16, 37, MAX_ROWS):
-            wide = torch.randn(M, K + 3, generator=gen).to(device, dtype)
-            x = wide[:, 2:2 + K]                                            # rows K + 3 apart
-            want = ref.skinny_gemm_ref(x, w)
-            runs = {"default": skinny_gemm(x, w), **{k: skinny_gemm(x, w, v) for k, v in launches.items()},
-                    "K slices again": skinny_gemm(x, w, launches["K slices"])}
-            for variant, y in runs.items():
-                assert y.dtype == dtype and y.shape == (M, N)
-                check(y, want, TOL[dtype], f"{N}x{K}, {M} rows ({variant})")
-            assert torch.equal(runs["K slices again"], runs["K slices"]), f"{N}x{K}, {M} rows: slices' sum"
-            assert torch.equal(skinny_gemm(x[None], w), runs["default"][None])   # a runner's batch of one
-    with pytest.raises(ValueError, match="rows"):
-        skinny_gemm(torch.zeros(MAX_ROWS + 1, K, dtype=dtype, device=device), w)
-    with pytest.raises(ValueError, match="wide"):
-        skinny_gemm(x[:, 1:], w)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the decode step's GEMVs with their fused prologues / epilogues
 # ----------------------------------------------------------------------------------------------------------------

@@ -449,11 +449,6 @@ def fused_gemm_ref(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.T
                         for i in range(x.shape[0])])
 
 
-def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [..., M, K] @ weight.T`` for a few token rows: products in fp32, one rounding to ``x``'s dtype."""
-    return F.linear(x.float(), weight.float()).to(x.dtype)
-
-
 def qk_norm_rope_append_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                             cos: torch.Tensor, sin: torch.Tensor, key_buffer: torch.Tensor,
                             value_buffer: torch.Tensor, length: torch.Tensor, num_heads: int,
