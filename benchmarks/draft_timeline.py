@@ -1,11 +1,12 @@
-"""GPU kernel timeline of one EAGLE-style proposal and one 16-node verify pass at the 1.3B GDN shape (the trained
-target and drafter inflated, bf16, CUDA graphs): each kernel's duration and the idle gap before it, from the
-profiler's trace of graph replays. A proposal is the host-driven ``launch`` after a verify step (the accepted path's
+"""GPU kernel timeline of one proposal and one 16-node verify pass (bf16, CUDA graphs): the EAGLE-style drafter at the
+1.3B GDN shape (the trained target and drafter inflated), or with ``--shape 0.8b`` / ``9b`` the MTP head of a
+random-weight Qwen3.5 over a 32K draft vocabulary (``hybrid_bench``'s models). Each kernel's duration and the idle
+gap before it, from the profiler's trace of graph replays. A proposal is the host-driven ``launch`` after a verify step (the accepted path's
 feature fusion, the drafter's catch-up on it, 8 depth graphs, the tree selection), so its first kernels wait on the
 host; the depths after the first are what the device loop replays.
 
     source .device/prelude.sh && export PYTHONPATH=$PWD/kernels:$PYTHONPATH && \\
-        python benchmarks/draft_timeline.py --out $OUT/timeline
+        python benchmarks/draft_timeline.py --out $OUT/timeline [--shape 0.8b]
 
 Prints ``duration_us gap_us name`` per kernel and writes ``{proposal,verify16}.rows.json``.
 """
@@ -21,8 +22,10 @@ from torch.profiler import ProfilerActivity, profile
 import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.app.loading import load_models
 from specla_hf.generation import draft_options
-from specla_hf.models.fla_gdn import GDNRunner
+from specla_hf.models import adapter_for
 from specla_hf.training.inflate import inflate_pair
+
+DRAFT_VOCAB = 32768   # the MTP head's draft vocabulary, as hybrid_bench's default
 
 
 def timeline(fn, name: str, out: Path) -> None:
@@ -52,35 +55,47 @@ def timeline(fn, name: str, out: Path) -> None:
     (out / f"{name}.rows.json").write_text(json.dumps(rows))
 
 
+def models(shape: str):
+    """The target, its drafter, and the drafter's hidden size for ``shape``."""
+    if shape == "1.3b":
+        loaded = load_models(device="cuda", dtype="bfloat16")
+        big, drafter = inflate_pair(loaded.target, loaded.drafter)
+        return big, drafter, drafter.config.hidden_size
+    from hybrid_bench import random_pair
+    target, drafters = random_pair(shape, torch.bfloat16, "cuda")
+    drafters["mtp"].restrict_vocabulary(torch.arange(DRAFT_VOCAB))
+    return target, drafters["mtp"], target.config.hidden_size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shape", choices=["1.3b", "0.8b", "9b"], default="1.3b")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    models = load_models(device="cuda", dtype="bfloat16")
-    big, drafter = inflate_pair(models.target, models.drafter)
-    H, V = drafter.config.hidden_size, big.config.vocab_size
+    target, drafter, H = models(args.shape)
+    V = target.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    verified = tuple(torch.randn(1, 32, H, device="cuda", dtype=torch.bfloat16)
-                     for _ in drafter.config.feature_layers)
-    eagle = drafter.candidate_generator(big, draft_options(tree=True, confidence_threshold=0.0))
+    proposer = drafter.candidate_generator(target, draft_options(tree=True, confidence_threshold=0.0))
+    proposer.reserve(256)
+    verified = tuple(torch.randn(1, 32, H, device="cuda", dtype=torch.bfloat16) for _ in proposer.feature_layers)
     seq = {"ids": torch.randint(0, V, (1, 17), generator=gen)}
-    eagle.add_features(tuple(f[:, :16] for f in verified))
-    eagle.launch(seq["ids"])
+    proposer.add_features(tuple(f[:, :16] for f in verified))
+    proposer.launch(seq["ids"])
 
     def proposal():                         # 4 tokens accepted, then the next proposal
-        eagle.add_features(verified, [0, 1, 2, 3])
+        proposer.add_features(verified, [0, 1, 2, 3])
         seq["ids"] = torch.cat([seq["ids"], torch.randint(0, V, (1, 4), generator=gen)], 1)
-        eagle.launch(seq["ids"])
+        proposer.launch(seq["ids"])
 
-    runner = GDNRunner.for_model(big)
-    cache = runner.new_cache(1)
+    runner = adapter_for(target)
+    cache = runner.new_cache(1, max_length=256)
     runner.forward(torch.randint(0, V, (1, 64), generator=gen).cuda(), cache, logits_positions=slice(0, 0))
     tree = torch.tensor([[-1] + [0] * 4 + [1] * 4 + [2] * 4 + [5] * 3], device="cuda")
     ids = torch.randint(0, V, (1, 16), generator=gen).cuda()
 
     def verify():
-        runner.forward(ids, cache, parents=tree, hidden_layers=tuple(eagle.feature_layers))
+        runner.forward(ids, cache, parents=tree, hidden_layers=tuple(proposer.feature_layers))
         cache.discard()
 
     timeline(proposal, "proposal", args.out)
