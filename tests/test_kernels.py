@@ -1427,3 +1427,16 @@ def test_masked_attention_matches_reference(device, dtype):
             got = masked_attention_kernel(q, k, v, mask, D ** -0.5, splits)
             tol = TOL[dtype]
             torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"T={T} S={S}: {m}")
+            # Qwen3.5's output gate, a strided column slice of the projection as the runner passes it
+            projected = torch.randn(B, T, H, 2, D, generator=gen).to(device, dtype)
+            gate = projected[..., 1, :]
+            gated = masked_attention_kernel(q, k, v, mask, D ** -0.5, splits, gate=gate)
+            # the gate as torch's ops apply it to the kernel's own output (the reference's output differs by the
+            # attention's rounding, which the gate's two roundings could push past the tolerance)
+            torch.testing.assert_close(gated, got * torch.sigmoid(gate), rtol=tol, atol=tol,
+                                       msg=lambda m: f"gated, T={T} S={S}: {m}")
+            torch.testing.assert_close(gated, ref.masked_attention_ref(q, k, v, mask, D ** -0.5, gate), rtol=2 * tol,
+                                       atol=2 * tol, msg=lambda m: f"gated against the reference, T={T} S={S}: {m}")
+            assert not torch.equal(gated, got)
+    with pytest.raises(ValueError, match="gate"):
+        masked_attention_kernel(q, k, v, mask, D ** -0.5, gate=gate[:, :1])

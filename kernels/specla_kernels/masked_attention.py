@@ -10,7 +10,8 @@ head of its key/value head times every query, so the keys and values are read on
 mask entries are all at or below ``HIDDEN`` (-1e4) for every row is skipped without reading its keys or values: a
 graphed cache is sized for the longest generation, and the slots past the committed prefix and the pending nodes are
 hidden. cuDNN's SDPA kernel for such a call reads them all (H200, 16 nodes, 8 heads of 256, a 2048-slot buffer:
-117-120 us a call).
+117-120 us a call). Qwen3.5's gated attention multiplies the output by the sigmoid of a gate: the kernel that writes
+the output applies it (``gate``), which saves the two torch launches a call took for it.
 """
 from __future__ import annotations
 
@@ -41,12 +42,23 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _output(o, gate, at, m, GATED: tl.constexpr, dtype: tl.constexpr):
+    """The attention output ``o`` (fp32) rounded to ``dtype``, times the sigmoid of the gate at ``gate + at`` as
+    torch's ops round it: the sigmoid rounded, then the product."""
+    o = o.to(dtype)
+    if GATED:
+        g = tl.sigmoid(tl.load(gate + at, mask=m, other=0.).to(tl.float32)).to(dtype)
+        o = (o.to(tl.float32) * g.to(tl.float32)).to(dtype)
+    return o
+
+
+@triton.jit
 def masked_attention_split_kernel(
-        q, k, v, mask, o_part, m_part, l_part, out, scale,
-        sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_t, sm_s, so_b, so_t, so_h,
+        q, k, v, mask, o_part, m_part, l_part, out, gate, scale,
+        sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_t, sm_s, so_b, so_t, so_h, sg_b, sg_t, sg_h,
         T, S, HKV, ROWS, TILES_PER_SPLIT,
         G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr, SINGLE: tl.constexpr):
+        IEEE: tl.constexpr, SINGLE: tl.constexpr, GATED: tl.constexpr):
     split, bh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = bh // HKV, bh % HKV
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)            # row r: query head kv * G + r // T, query r % T
@@ -79,8 +91,10 @@ def masked_attention_split_kernel(
             m_i = m_new
     if SINGLE:       # one range: normalise and write the output in place of a partial result
         o = acc / tl.where(l_i > 0, l_i, 1.)[:, None]
-        tl.store(out + b * so_b + t[:, None] * so_t + head[:, None] * so_h + d[None, :],
-                 o.to(out.dtype.element_ty), mask=in_rows[:, None] & in_d[None, :])
+        m_out = in_rows[:, None] & in_d[None, :]
+        o = _output(o, gate, b * sg_b + t[:, None] * sg_t + head[:, None] * sg_h + d[None, :], m_out, GATED,
+                    out.dtype.element_ty)
+        tl.store(out + b * so_b + t[:, None] * so_t + head[:, None] * so_h + d[None, :], o, mask=m_out)
     else:
         part = (split * tl.num_programs(1) + bh) * ROWS + rows
         tl.store(o_part + part[:, None] * DP + d[None, :], acc, mask=in_rows[:, None])
@@ -89,8 +103,9 @@ def masked_attention_split_kernel(
 
 
 @triton.jit
-def masked_attention_merge_kernel(o_part, m_part, l_part, out, so_b, so_t, so_h, T, HKV, ROWS, SPLITS, BH,
-                                  G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr):
+def masked_attention_merge_kernel(o_part, m_part, l_part, out, gate, so_b, so_t, so_h, sg_b, sg_t, sg_h, T, HKV, ROWS,
+                                  SPLITS, BH, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                                  BLOCK_S: tl.constexpr, GATED: tl.constexpr):
     bh, r = tl.program_id(0), tl.program_id(1)
     b, kv = bh // HKV, bh % HKV
     sp = tl.arange(0, BLOCK_S)
@@ -103,11 +118,12 @@ def masked_attention_merge_kernel(o_part, m_part, l_part, out, so_b, so_t, so_h,
     o = tl.sum(tl.load(o_part + part[:, None] * DP + d[None, :], mask=(sp < SPLITS)[:, None], other=0.)
                * w[:, None], 0) / tl.where(total > 0, total, 1.)
     head, t = kv * G + r // T, r % T
-    tl.store(out + b * so_b + t * so_t + head * so_h + d, o.to(out.dtype.element_ty), mask=d < D)
+    o = _output(o, gate, b * sg_b + t * sg_t + head * sg_h + d, d < D, GATED, out.dtype.element_ty)
+    tl.store(out + b * so_b + t * so_t + head * so_h + d, o, mask=d < D)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of ``masked_attention_ref`` (same arguments; ``splits``: slot ranges, default enough programs to
     fill the device). Output ``[B, T, H, D]`` in ``q``'s dtype."""
     B, H, T, D = q.shape
@@ -124,6 +140,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     splits = triton.cdiv(tiles, per_split)
     DP = triton.next_power_of_2(D)
     out = q.new_empty(B, T, H, D)
+    if gate is not None and (gate.shape != out.shape or gate.stride(-1) != 1):
+        raise ValueError(f"masked_attention: the output gate must be [B, T, H, D] = {list(out.shape)} with unit-stride "
+                         f"rows, got {list(gate.shape)} with strides {gate.stride()}")
+    g = gate if gate is not None else out
     single = splits == 1
     if single:
         o_part = m_part = l_part = out            # unused
@@ -132,15 +152,17 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         m_part = torch.empty(splits * B * HKV * rows, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
     masked_attention_split_kernel[(splits, B * HKV, row_blocks)](
-        q, k, v, mask, o_part, m_part, l_part, out, scale,
+        q, k, v, mask, o_part, m_part, l_part, out, g, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), mask.stride(0), mask.stride(2), mask.stride(3), out.stride(0), out.stride(1), out.stride(2),
-        T, S, HKV, rows, per_split, G=G, D=D, DP=DP, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        IEEE=q.dtype == torch.float32, SINGLE=single, num_warps=4 if DP <= 128 else 8, num_stages=2)
+        g.stride(0), g.stride(1), g.stride(2), T, S, HKV, rows, per_split, G=G, D=D, DP=DP, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, SINGLE=single, GATED=gate is not None,
+        num_warps=4 if DP <= 128 else 8, num_stages=2)
     if not single:
         masked_attention_merge_kernel[(B * HKV, rows)](
-            o_part, m_part, l_part, out, out.stride(0), out.stride(1), out.stride(2), T, HKV, rows, splits,
-            B * HKV, G=G, D=D, DP=DP, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+            o_part, m_part, l_part, out, g, out.stride(0), out.stride(1), out.stride(2), g.stride(0), g.stride(1),
+            g.stride(2), T, HKV, rows, splits, B * HKV, G=G, D=D, DP=DP, BLOCK_S=triton.next_power_of_2(splits),
+            GATED=gate is not None, num_warps=4)
     return out
 
 

@@ -295,10 +295,11 @@ def masked_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Attention of a few queries over a KV buffer under an additive mask, grouped key/value heads (see
-    ``masked_attention_ref``); the kernel skips tiles of hidden slots. Inputs it does not take
-    (``masked_attention_applies``) run the reference."""
+                     scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a few queries over a KV buffer under an additive mask, grouped key/value heads, the output
+    times ``sigmoid(gate)`` if given (see ``masked_attention_ref``); the kernel skips tiles of hidden slots. Inputs it
+    does not take (``masked_attention_applies``) run the reference."""
     if use_triton(q) and masked_attention_applies(q, k, v, mask):
-        return _masked_attention.masked_attention(q, k, v, mask.expand(q.shape[0], *mask.shape[1:]), scale)
-    return reference.masked_attention_ref(q, k, v, mask, scale)
+        return _masked_attention.masked_attention(q, k, v, mask.expand(q.shape[0], *mask.shape[1:]), scale,
+                                                  gate=gate)
+    return reference.masked_attention_ref(q, k, v, mask, scale, gate)

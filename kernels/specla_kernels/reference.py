@@ -511,16 +511,17 @@ def attention_mask_ref(length: torch.Tensor, ancestors: torch.Tensor | None, T: 
 
 
 def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of queries ``q [B, H, T, D]`` over keys and values ``k, v [B, HKV, S, D]`` (query head ``h``
     reads key/value head ``h // (H / HKV)``) under the additive ``mask [B, 1, T, S]``, computed in fp32: output
     ``[B, T, H, D]`` in ``q``'s dtype (the layout transformers' attention functions return). A row whose every mask
-    entry is at or below ``HIDDEN`` sees nothing: zeros."""
+    entry is at or below ``HIDDEN`` sees nothing: zeros. With ``gate [B, T, H, D]`` the output is then multiplied by
+    ``sigmoid(gate)`` in ``q``'s dtype (Qwen3.5's gated attention)."""
     G = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)
     s = q.float() @ k.transpose(-1, -2) * scale + mask.float()
-    o = torch.softmax(s, -1) @ v * (mask > HIDDEN).any(-1, keepdim=True)
-    return o.transpose(1, 2).to(q.dtype)
+    o = (torch.softmax(s, -1) @ v * (mask > HIDDEN).any(-1, keepdim=True)).transpose(1, 2).to(q.dtype)
+    return o if gate is None else o * torch.sigmoid(gate)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ from specla_hf.models.base import RunnerOutput, embed
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, GraphedAdapter, tree_bucket
 from specla_hf.models.one_token import (fusable_gated_head, fused_rows, fused_tree_pass, product, recurrent_step_,
                                        unit_offset_weight)
-from specla_hf.models.tree_attention import KVView, attention_inputs, attention_kernels
+from specla_hf.models.tree_attention import (KVView, attention_inputs, attention_kernels, kernel_takes,
+                                             specla_masked_attention)
 from specla_kernels import ops
 from specla_kernels.gemv import MAX_K as GEMV_MAX_K
 
@@ -409,8 +410,9 @@ class HybridRunner(GraphedAdapter):
                 layer: SpecLAAttentionLayer, pending: bool) -> torch.Tensor:
         """Gated attention module ``m`` from its projections ``qkv [T, W]`` of batch 1 (rotary ``cos, sin [T, R]``):
         the head norms, rotary and KV write as one kernel (``ops.qk_norm_rope_append``, after the layer's entries),
-        the module's attention function over the cache under ``mask``, the output gate; ``[T, heads * D]``, what the
-        output projection takes. The module's own ops take ~40 launches for this."""
+        the module's attention function over the cache under ``mask``, the output gate (inside the attention kernel
+        where ours takes the call); ``[T, heads * D]``, what the output projection takes. The module's own ops take
+        ~40 launches for this."""
         T = qkv.shape[0]
         H, D = m.config.num_attention_heads, m.head_dim
         layer.make_room(layer.num_pending + T)
@@ -418,12 +420,15 @@ class HybridRunner(GraphedAdapter):
                                     cos, sin, layer.key_buffer, layer.value_buffer, layer.length, H,
                                     first=layer.num_pending)
         layer.stored(T, pending)
+        q = q.view(1, T, H, D).transpose(1, 2)
+        gate = qkv[:, :2 * H * D].view(T, H, 2, D)[:, :, 1]
         with attention_kernels():
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation,
                                                            sys.modules[type(m).__module__].eager_attention_forward)
-            o, _ = attend(m, q.view(1, T, H, D).transpose(1, 2), layer.key_buffer, layer.value_buffer, mask,
-                          dropout=0.0, scaling=m.scaling)
-        gate = qkv[:, :2 * H * D].view(T, H, 2, D)[:, :, 1]
+            if attend is specla_masked_attention and kernel_takes(q, layer.key_buffer, layer.value_buffer, mask):
+                return ops.masked_attention(q, layer.key_buffer, layer.value_buffer, mask, m.scaling,
+                                            gate=gate[None]).view(T, H * D)
+            o, _ = attend(m, q, layer.key_buffer, layer.value_buffer, mask, dropout=0.0, scaling=m.scaling)
         return (o.view(T, H, D) * torch.sigmoid(gate)).view(T, H * D)
 
     def _norm(self, norm, x: torch.Tensor, residual: torch.Tensor | None = None):

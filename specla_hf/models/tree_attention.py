@@ -63,13 +63,19 @@ def _sdpa_replaced():
             ALL_ATTENTION_FUNCTIONS["sdpa"] = replaced
 
 
+def kernel_takes(query, key, value, attention_mask, dropout: float = 0.0, **kwargs) -> bool:
+    """Whether ``specla_masked_attention`` runs ``ops.masked_attention``'s kernel for this call: Triton on the
+    tensors' device, an explicit additive mask the kernel takes, no dropout, no other options."""
+    return (ops.use_triton(query) and attention_mask is not None and not dropout
+            and all(v is None or v is False for v in kwargs.values())
+            and ops.masked_attention_applies(query, key, value, attention_mask))
+
+
 def specla_masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, **kwargs):
-    """transformers' attention-function signature: ``ops.masked_attention``'s kernel where it runs and takes the call
-    (Triton on the tensors' device, an explicit additive mask, no dropout, no other options), stock SDPA otherwise."""
-    if (ops.use_triton(query) and attention_mask is not None and not dropout
-            and all(v is None or v is False for v in kwargs.values())
-            and ops.masked_attention_applies(query, key, value, attention_mask)):
+    """transformers' attention-function signature: ``ops.masked_attention``'s kernel where it takes the call
+    (``kernel_takes``), stock SDPA otherwise."""
+    if kernel_takes(query, key, value, attention_mask, dropout, **kwargs):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return ops.masked_attention(query, key, value, attention_mask, scale), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
