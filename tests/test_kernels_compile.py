@@ -116,6 +116,9 @@ def call_every_wrapper():
     kv = [z(1, 2, 512, 256) for _ in range(4)]
     masked_attention.attention_mask(torch.zeros(1, dtype=torch.long), tree_delta.tree_ancestors(parents), N, 2048, bf)
     masked_attention.attention_mask(torch.zeros(1, dtype=torch.long), None, 1, 2048, bf)
+    q, mask = z(1, 8, 16, 256).transpose(1, 2).contiguous().transpose(1, 2), z(1, 1, 16, 512)
+    for splits in (1, None):                      # one slot range (normalised in place), several (merged)
+        masked_attention.masked_attention(q, kv[0], kv[1], mask, 0.0625, splits, gate=z(1, 16, 8, 2, 256)[..., 1, :])
     commit.commit_kv_(path[:, :9], length, kv[:2], kv[2:], [torch.zeros(1, dtype=torch.long)] * 2)
     tokens, cap = torch.zeros(N, dtype=torch.long), 9
     accept.accept_walk(tokens, parents[0], tree_delta.tree_ancestors(parents)[0], cap, argmax=tokens)
@@ -173,7 +176,8 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
             "fused_gemm_kernel", "commit_kv_kernel", "accept_walk_kernel", "drawn_rank_kernel",
             "draw_row_kernel", "draw_slices_kernel", "draw_merge_kernel",
             "draw_logq_kernel", "warp_slices_kernel", "warp_merge_kernel", "warp_write_kernel",
-            "attention_mask_kernel", "embed_norm_cat_kernel"} <= names, names
+            "attention_mask_kernel", "embed_norm_cat_kernel", "masked_attention_split_kernel",
+            "masked_attention_merge_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",
