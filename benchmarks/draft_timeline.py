@@ -1,9 +1,9 @@
 """GPU kernel timeline of one proposal and one 16-node verify pass (bf16, CUDA graphs): the EAGLE-style drafter at the
 1.3B GDN shape (the trained target and drafter inflated), or with ``--shape 0.8b`` / ``9b`` the MTP head of a
 random-weight Qwen3.5 over a 32K draft vocabulary (``hybrid_bench``'s models). Each kernel's duration and the idle
-gap before it, from the profiler's trace of graph replays. A proposal is the host-driven ``launch`` after a verify step (the accepted path's
-feature fusion, the drafter's catch-up on it, 8 depth graphs, the tree selection), so its first kernels wait on the
-host; the depths after the first are what the device loop replays.
+gap before it, from the profiler's trace of graph replays. A proposal is the host-driven ``launch`` after a verify
+step (the accepted path's feature fusion, the drafter's catch-up on it, 8 depth graphs, the tree selection), so its
+first kernels wait on the host; the depths after the first are what the device loop replays.
 
     source .device/prelude.sh && export PYTHONPATH=$PWD/kernels:$PYTHONPATH && \\
         python benchmarks/draft_timeline.py --out $OUT/timeline [--shape 0.8b]
