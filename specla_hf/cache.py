@@ -134,6 +134,9 @@ class SpecLAAttentionLayer(CacheLayerMixin):
         self.num_pending = 0
         self.fixed, self.bound = fixed, 0
         self.device, self.batch_size = device, batch_size
+        # cos|sin of positions 0..capacity-1 [2, capacity, rotary dim] (``tree_attention.rotary_rows``): kept with
+        # the buffers, since graphs captured over them hold its address too
+        self.rotary_table: torch.Tensor | None = None
         self.is_initialized = True
 
     @property

@@ -20,6 +20,7 @@ from specla_hf.generation import draft_options
 from specla_hf.models import adapter_for, transformers_backend
 from specla_hf.models.graphed import DRAFT_SEQ_TOKENS, MAX_SEQ_TOKENS, ForwardGraphs
 from specla_hf.models.qwen3_5 import HybridRunner
+from specla_hf.models.tree_attention import rotary_positions, rotary_rows
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -589,6 +590,33 @@ def test_eager_attention_cache_grows_past_its_capacity(target):
     with torch.no_grad():
         stock = target(ids).logits
     torch.testing.assert_close(torch.cat([first, chain], 1), stock, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rows_are_the_modules_output(family, device, dtype):
+    """The attention calls' cos / sin are rows of a per-layer table the rotary module computed once: bitwise the
+    module's output at any positions below the layer's capacity, the table rebuilt when the layer grows; a rope type
+    whose frequencies follow the length runs the module."""
+    rotary = tiny_hybrid(family).model.rotary_emb.to(device)
+    layer = SpecLAAttentionLayer(1, 1, 16, dtype, torch.device(device), capacity=37)
+    x = torch.zeros(1, 1, 16, dtype=dtype, device=device)
+    for capacity in (37, 1000):
+        layer.key_buffer = layer.value_buffer = torch.zeros(1, 1, capacity, 16, dtype=dtype, device=device)
+        positions = torch.randint(0, capacity, (1, 29), generator=torch.Generator().manual_seed(capacity)).to(device)
+        for got, want in zip(rotary_rows(rotary, x, positions, layer),
+                             rotary(x, rotary_positions(rotary, positions)), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        assert layer.rotary_table.shape[:2] == (2, capacity)
+
+    class DynamicRotary:
+        rope_type = "dynamic"
+
+        def __call__(self, x, positions):
+            return "the module's output"
+    assert rotary_rows(DynamicRotary(), x, positions, SpecLAAttentionLayer(1, 1, 16, dtype, x.device)) \
+        == "the module's output"
 
 
 def test_graphed_verify_and_commit_equal_eager(family):

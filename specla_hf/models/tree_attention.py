@@ -111,4 +111,24 @@ def attention_inputs(rotary_emb, h: torch.Tensor, layer: SpecLAAttentionLayer,
     T = h.shape[1]
     layer.make_room(T if ancestors is None else ancestors.shape[-1])     # a growing layer: before the mask is sized
     mask, positions = ops.attention_mask(layer.length, ancestors, T, layer.capacity, h.dtype)
-    return rotary_emb(h, rotary_positions(rotary_emb, positions)), mask
+    return rotary_rows(rotary_emb, h, positions, layer), mask
+
+
+def rotary_rows(rotary_emb, x: torch.Tensor, positions: torch.Tensor,
+                layer: SpecLAAttentionLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_emb(x, positions)`` (cos, sin ``[B, T, R]``) as one gather from ``layer.rotary_table``, the module's
+    own output for every slot's position (a position is below the capacity: each token holds a slot at or after
+    it), built on first use; the module's ops take ~15 launches a call. The module's result for a position depends on
+    that position alone (elementwise ops), so the rows are bitwise its output. Rope types whose frequencies follow
+    the sequence length (dynamic NTK, LongRoPE) run the module."""
+    rope_type = getattr(rotary_emb, "rope_type", "default")
+    table = layer.rotary_table
+    stale = table is None or table.shape[1] < layer.capacity or table.dtype != x.dtype or table.device != x.device
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()      # a capture's warm-up builds the table
+    if "dynamic" in rope_type or rope_type == "longrope" or (stale and capturing):
+        return rotary_emb(x, rotary_positions(rotary_emb, positions))
+    if stale:
+        every = torch.arange(layer.capacity, device=x.device)[None]
+        table = layer.rotary_table = torch.cat(rotary_emb(x, rotary_positions(rotary_emb, every)))   # [2, capacity, R]
+    rows = table.index_select(1, positions.reshape(-1)).view(2, *positions.shape, -1)
+    return rows[0], rows[1]
