@@ -162,7 +162,8 @@ def _sample_counts(runner, new_drafter, ids, draws, processors) -> tuple[torch.T
     """Draw (x1, x2) ``draws`` times with the loop generate() runs on the adapter ``runner``, a fresh drafter from
     ``new_drafter()`` each time (called directly: thousands of generate() calls cost minutes on CPU): the counts of
     x1, of the pair (x1 * V + x2), the draft tokens accepted over all draws, and where the steps accepted
-    (``SpecLAStats.acceptance``)."""
+    (``SpecLAStats.acceptance``). Callers fix the tree shapes (``adaptive_drafting=False``): the shape policy
+    chooses by measured time, another shape draws other random numbers, and the p-values would change run to run."""
     V = runner.config.vocab_size
     c1, c12, accepted, where = torch.zeros(V), torch.zeros(V * V), 0, set()
     stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 2)])
@@ -213,7 +214,7 @@ def test_sampling_is_lossless(tree, acceptance, sampled, top_p):
                                 + ([RepetitionPenaltyLogitsProcessor(1.5)] if acceptance == "host" else []))
     p1, p2 = _exact_first_two(target, ids, procs)
     options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0,
-                            sampled_drafts=sampled)
+                            sampled_drafts=sampled, adaptive_drafting=False)
     c1, c12, _, where = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 5000, procs)
     assert where == {acceptance}
     assert _chisq_pvalue(c1, p1) > 1e-3
@@ -259,7 +260,7 @@ def test_sampling_is_lossless_on_cuda(top_p):
     procs = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(6)]
                                 + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
     p1, p2 = _exact_first_two(target, ids, procs)
-    options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0)
+    options = draft_options(tree=True, tree_topk=3, confidence_threshold=0.0, adaptive_drafting=False)
     runner = GDNRunner(target)
     assert runner.graphs is not None
     c1, c12, _, where = _sample_counts(runner, lambda: GDNDrafter(drafter, options), ids, 3000, procs)
@@ -279,7 +280,7 @@ def test_a_wrong_acceptance_rule_fails_the_sampling_test(monkeypatch, acceptance
     ids = torch.tensor([[1, 5, 2]])
     procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.0)] if acceptance == "host" else [])
     p1, _ = _exact_first_two(target, ids, procs)
-    options = draft_options(tree=False, confidence_threshold=0.0)
+    options = draft_options(tree=False, confidence_threshold=0.0, adaptive_drafting=False)
     torch.manual_seed(99)                 # after the models (``tiny_gdn`` seeds): the draws' seed
     c1, _, _, where = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 2000, procs)
     assert where == {acceptance}
