@@ -130,5 +130,6 @@ def rotary_rows(rotary_emb, x: torch.Tensor, positions: torch.Tensor,
     if stale:
         every = torch.arange(layer.capacity, device=x.device)[None]
         table = layer.rotary_table = torch.cat(rotary_emb(x, rotary_positions(rotary_emb, every)))   # [2, capacity, R]
-    rows = table.index_select(1, positions.reshape(-1)).view(2, *positions.shape, -1)
+    # an indexing gather: aten's index_select of a few indices walks them one after another (9.4 us for 16)
+    rows = table[:, positions.reshape(-1)].view(2, *positions.shape, -1)
     return rows[0], rows[1]
