@@ -18,7 +18,9 @@ warm on an H200), and a machine left idle for half a minute is handed back. ``--
 (when it exists) into ``$TRITON_CACHE_DIR`` before the stages and packs that folder, without the kernels'
 intermediate IRs, into ``$OUT/triton-cache.tgz`` after them (give it seconds of the call's time beyond the budget),
 so the next call can carry it back (copy it into the carried ``.device`` folder first). Triton keys each cached
-kernel by its source, version and target, so a stale entry is recompiled, never used.
+kernel by its source, version and target, so a stale entry is recompiled, never used. A call carries 64 MiB with
+the working tree: ``--triton-cache-mib`` caps the packed cache at what is left beside the tree and the wheels (the
+most recently used groups are kept), or it does not travel back.
 """
 from __future__ import annotations
 
@@ -75,13 +77,15 @@ def restore_cache(archive: Path, cache: Path) -> str:
         return f"triton cache: {len(tar.getmembers())} entries from {archive}"
 
 
-def pack_cache(cache: Path, archive: Path) -> str:
+def pack_cache(cache: Path, archive: Path, limit: int | None = None) -> str:
     """``cache``'s contents but the intermediate IRs as an xz tar at ``archive``; the fast preset, since the packing
-    comes out of the call's time. Over what the device returns, the most recently used compile groups that fit are
-    kept (a file's access time, which a relatime mount updates on the first read after extraction, else its
-    modification time): Triton keys a group by its kernel's source, so the least recently used are mostly earlier
-    versions of edited kernels, never hit again (a cache of a day's edits packed to 20-23 MiB, which would otherwise
-    be dropped whole)."""
+    comes out of the call's time. Over ``limit`` bytes (default: what the device returns; less for a cache that must
+    travel beside the working tree), the most recently used compile groups that fit are kept (a file's access time,
+    which a relatime mount updates on the first read after extraction, else its modification time): Triton keys a
+    group by its kernel's source, so the least recently used are mostly earlier versions of edited kernels, never hit
+    again (a cache of a day's edits packed to 20-23 MiB, which would otherwise be dropped whole)."""
+    limit = MAX_RETURNED_BYTES if limit is None else limit
+
     def keep(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
         return None if Path(member.name).suffix in IR_SUFFIXES else member
 
@@ -100,11 +104,11 @@ def pack_cache(cache: Path, archive: Path) -> str:
 
     entries = sorted(cache.iterdir()) if cache.exists() else []
     size = write(entries)
-    if size <= MAX_RETURNED_BYTES:
+    if size <= limit:
         return f"triton cache: {size / 2**20:.1f} MiB in {archive}"
     # the packed / raw ratio of the whole cache sizes the most recently used slice that should fit, with a 10% margin
     info = {entry: size_and_use(entry) for entry in entries}
-    budget = 0.9 * MAX_RETURNED_BYTES * sum(raw for raw, _ in info.values()) / size
+    budget = 0.9 * limit * sum(raw for raw, _ in info.values()) / size
     kept, total = [], 0
     for entry in sorted(entries, key=lambda e: info[e][1], reverse=True):
         if total + info[entry][0] > budget:
@@ -113,10 +117,9 @@ def pack_cache(cache: Path, archive: Path) -> str:
         total += info[entry][0]
     trimmed = write(sorted(kept))
     what = f"{size / 2**20:.1f} MiB packed, its {len(kept)} most recently used of {len(entries)} groups"
-    if trimmed > MAX_RETURNED_BYTES:
+    if trimmed > limit:
         archive.unlink()
-        return (f"triton cache: {what} ({trimmed / 2**20:.1f} MiB) still over the {MAX_RETURNED_BYTES >> 20} MiB "
-                "returned: dropped")
+        return f"triton cache: {what} ({trimmed / 2**20:.1f} MiB) still over {limit / 2**20:.1f} MiB: dropped"
     return f"triton cache: {what} ({trimmed / 2**20:.1f} MiB) in {archive}"
 
 
@@ -139,6 +142,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, required=True, help="seconds for all stages together")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--triton-cache", type=Path, help="compile cache carried in (if it exists) and packed out")
+    ap.add_argument("--triton-cache-mib", type=float,
+                    help="the packed cache's size at most (default: what the device returns); a call carries 64 MiB "
+                         "with the working tree, so a ~49 MiB tree leaves room for ~10")
     args = ap.parse_args()
     if args.triton_cache:
         print(restore_cache(args.triton_cache, compile_cache()), flush=True)
@@ -172,7 +178,8 @@ def main() -> None:
     done.set()
     pack(work, archive)
     if args.triton_cache:
-        print(pack_cache(compile_cache(), args.out / "triton-cache.tgz"), flush=True)
+        limit = None if args.triton_cache_mib is None else int(args.triton_cache_mib * 2**20)
+        print(pack_cache(compile_cache(), args.out / "triton-cache.tgz", limit), flush=True)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,8 @@ def test_cache_over_the_limit_keeps_its_most_recently_used_groups(tmp_path, monk
         groups = {Path(name).parts[0] for name in tar.getnames()}
         assert not any(name.endswith(".ptx") for name in tar.getnames())
     assert groups == {f"group{i}" for i in range(10 - len(groups), 10)} and 1 <= len(groups) < 10
+    # a smaller limit (what a call can carry beside the working tree) keeps fewer of the newest groups
+    stages.pack_cache(cache, archive, limit=100_000)
+    with tarfile.open(archive) as tar:
+        fewer = {Path(name).parts[0] for name in tar.getnames()}
+    assert archive.stat().st_size <= 100_000 and fewer < groups and "group9" in fewer
