@@ -981,8 +981,30 @@ def test_fused_gemm_keeps_launches_that_step_one_gated_head(head):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# top-k of each row (the drafter's expansion)
+# the drafters' log-softmax and top-k of each row (the drafter's expansion)
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_log_softmax_matches_reference(device, dtype, monkeypatch):
+    """fp32 log-probs as ``log_softmax_ref`` gives them: rows held in registers and rows read twice (the loop,
+    forced at small sizes on CPU), column counts that are not powers of two, -inf entries, a strided row view, leading
+    dims kept."""
+    from specla_kernels import log_softmax as kernel
+    if device == "cpu":
+        monkeypatch.setattr(kernel, "ONE_PASS", 512)
+        monkeypatch.setattr(kernel, "LOOP_BLOCK", 64)
+    gen = seeded(dtype, "log_softmax")
+    for R, V in [(1, 16), (4, 97), (3, 1000), (2, 300), (5, 40000), (1, 248320)]:
+        if device == "cpu" and V > 1000:
+            continue
+        x = (torch.randn(R + 2, V, generator=gen) * 6).to(dtype)
+        x[1, :3] = float("-inf")
+        for rows in (x[1:R + 1].to(device), x.to(device)[:, ::2], x[1:R + 1].to(device).view(R, 1, V)):
+            got = kernel.log_softmax(rows)
+            assert got.dtype == torch.float32 and got.shape == rows.shape
+            torch.testing.assert_close(got, ref.log_softmax_ref(rows), rtol=1e-5, atol=1e-5, msg=f"{R}x{V}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_row_topk_matches_reference(device, dtype):

@@ -78,7 +78,7 @@ def compile_for_h200(fn: JITFunction, bound: dict, options: dict):
 def call_every_wrapper():
     """Each SpecLA kernel wrapper once per distinct compile (1.3B layer shapes, bf16 model, fp32 state)."""
     from specla_kernels import (accept, commit, draft_expand, draw, fused_gemm, gate, gated_norm, gemv, input_norm,
-                                masked_attention, topk, tree_conv, tree_delta)
+                                log_softmax, masked_attention, topk, tree_conv, tree_delta)
     bf, f32 = torch.bfloat16, torch.float32
     H, K, V, D, W, N = 6, 256, 512, 2 * 6 * 256 + 6 * 512, 4, 64
     z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype)                  # noqa: E731
@@ -125,6 +125,8 @@ def call_every_wrapper():
     accept.accept_walk(tokens, parents[0], tree_delta.tree_ancestors(parents)[0], cap, hit=z(N, dtype=torch.bool))
     accept.drawn_hits(tokens, parents[0], z(N, 8192, dtype=f32), z(N, 8192, dtype=f32), z(N, dtype=f32), 4)
     topk.row_topk(z(4, 16384), 4)
+    log_softmax.log_softmax(z(4, 32768))                                        # a row in registers
+    log_softmax.log_softmax(z(1, 248320, dtype=f32))                            # a row read twice
     seed = torch.zeros(1, dtype=torch.long)
     draw.draw_children(z(4, 8192, dtype=f32), 4, 0.7, 50, z(4, 8192, dtype=f32), seed=seed)   # a top-k warper
     draw.draw_children(z(4, 8192, dtype=f32), 4, 1.0, 0, z(4, 8192, dtype=f32), seed=seed)
@@ -177,7 +179,7 @@ def test_every_kernel_compiles_for_sm90(launches, monkeypatch):
             "draw_row_kernel", "draw_slices_kernel", "draw_merge_kernel",
             "draw_logq_kernel", "warp_slices_kernel", "warp_merge_kernel", "warp_write_kernel",
             "attention_mask_kernel", "embed_norm_cat_kernel", "masked_attention_split_kernel",
-            "masked_attention_merge_kernel"} <= names, names
+            "masked_attention_merge_kernel", "log_softmax_kernel"} <= names, names
     assert all(options.get("launch_pdl") for fn, _, options in launches if "gemv" in fn.__name__
                or fn.__name__ == "fused_gemm_kernel")
     small = {"tree_gdn_fwd_kernel", "tree_gdn_small_kernel", "gate_beta_kernel", "rms_norm_gated_kernel",

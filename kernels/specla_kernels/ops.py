@@ -19,6 +19,7 @@ from specla_kernels import gate as _gate
 from specla_kernels import gated_norm as _gated_norm
 from specla_kernels import gemv as _gemv
 from specla_kernels import input_norm as _input_norm
+from specla_kernels import log_softmax as _log_softmax
 from specla_kernels import masked_attention as _masked_attention
 from specla_kernels import qk_norm_rope as _qk_norm_rope
 from specla_kernels import topk as _topk
@@ -163,6 +164,12 @@ def commit_window_(x: torch.Tensor, window: torch.Tensor, parents: torch.Tensor,
     """Move the conv window along the accepted path in place (see ``commit_window_ref``); returns ``window``."""
     commit_(parents, accepted, windows=([x], [window]))
     return window
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the last dim of logits of any float dtype (see ``log_softmax_ref``): one launch on the
+    Triton path, where aten casts 16-bit logits in a launch of its own first."""
+    return _log_softmax.log_softmax(x) if use_triton(x) else reference.log_softmax_ref(x)
 
 
 def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

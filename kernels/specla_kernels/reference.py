@@ -282,6 +282,11 @@ def conv_sequence_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 # ---------------------------------------------------------------------------------------------------------------------
 # top-k of each row (the drafter's expansion)
 # ---------------------------------------------------------------------------------------------------------------------
+def log_softmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probs over the last dim of logits ``x`` (the drafters' draft log-probs)."""
+    return torch.log_softmax(x, -1, dtype=torch.float32)
+
+
 def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [R, V]`` -> ``values [R, k]``, ``indices [R, k]``: the ``k`` largest of each row, descending, ties to the lower
     index (``torch.topk`` leaves the order of ties unspecified; a stable sort fixes it)."""

@@ -263,8 +263,7 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
             y, residual = block.mlp_norm(y, residual=x, prenorm=True)
             top, h = norm(self._mlp(0, y), residual=residual, prenorm=True)       # the residual add rides on it
             logits = self.lm_head(top if logits_positions is None else top[:, logits_positions])
-        # fp32 log-probs; from bf16 logits aten casts them in a copy kernel first (its one-kernel form takes fp16)
-        return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (h,))
+        return RunnerOutput(ops.log_softmax(logits), (h,))          # fp32 log-probs, from 16-bit logits in one launch
 
     def _normed_inputs(self, fused: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """``[embed_norm(E[tokens]) ; feature_norm(fused)]`` ``[B, T, 2H]``: one kernel where the embedding is a

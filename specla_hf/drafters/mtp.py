@@ -259,7 +259,7 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
                               pending=parents is not None, fused=fused)
         top = out if logits_positions is None else out[:, logits_positions]
         logits = self.lm_head(top) if self.draft_head is None else F.linear(top, self.draft_head)
-        return RunnerOutput(torch.log_softmax(logits, -1, dtype=torch.float32), (out,))
+        return RunnerOutput(ops.log_softmax(logits), (out,))
 
     def _mtp_layer(self, tokens: torch.Tensor, hidden: torch.Tensor, layer: SpecLAAttentionLayer, attention,
                    pending: bool, fused: bool = False) -> torch.Tensor:
