@@ -280,7 +280,7 @@ def conv_sequence_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# top-k of each row (the drafter's expansion)
+# the drafters' log-softmax, and the top-k of each row (the drafter's expansion)
 # ---------------------------------------------------------------------------------------------------------------------
 def log_softmax_ref(x: torch.Tensor) -> torch.Tensor:
     """fp32 log-probs over the last dim of logits ``x`` (the drafters' draft log-probs)."""
