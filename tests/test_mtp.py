@@ -492,3 +492,15 @@ def test_fused_tree_pass_equals_the_general_one(trained):
     assert n == b.committed_length() == 5 + 4
     for x, y in ((a.key_buffer, b.key_buffer), (a.value_buffer, b.value_buffer)):
         torch.testing.assert_close(x[:, :, :n], y[:, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_target_norm_of_the_features_runs_as_one_kernel(hybrid, monkeypatch):
+    """The catch-up normalises the target's top hidden state (every step) with the runners' one-kernel norm, not the
+    zero-centred norm module's ~9 launches: on CPU bitwise the module's output."""
+    from specla_hf.models import fla_backend
+    calls = []
+    real = fla_backend.rms_norm_scaled
+    monkeypatch.setattr(fla_backend, "rms_norm_scaled", lambda *a, **k: calls.append(1) or real(*a, **k))
+    drafter = random_head(hybrid, seed=4).candidate_generator(hybrid, draft_options(tree=True))
+    h = torch.randn(1, 3, hybrid.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(drafter._target_normed(h), text_decoder(hybrid).norm(h)) and calls == [1]
