@@ -45,9 +45,8 @@ from specla_hf.models.graphed import DRAFT_SEQ_TOKENS
 from specla_hf.runtime.transfer import copy_in, to_device
 from specla_hf.models.base import RunnerOutput, plain_lookup
 from specla_hf.models.fla_gdn import GDNRunner, fused_block, plain_norm
-from specla_hf.models import fla_backend as backend
-from specla_hf.models.one_token import fused_tree_pass, unit_offset_weight
-from specla_hf.models.qwen3_5 import text_decoder, zero_centred
+from specla_hf.models.one_token import fused_tree_pass
+from specla_hf.models.qwen3_5 import text_decoder, zero_centred, zero_centred_norm
 from specla_kernels import ops
 
 
@@ -338,10 +337,7 @@ class EagleDrafter(DynamicTreeDrafter):
         """The target's final norm of its top hidden state: one kernel for a hybrid's zero-centred norm, whose module
         takes ~9 launches (every step's catch-up runs it). The scale is read fresh on every eager call (the prefill's
         among them), so the graphed calls see a weight updated between generations."""
-        norm = self.target_norm
-        if zero_centred(norm):
-            return backend.rms_norm_scaled(h, unit_offset_weight(norm), norm.eps)
-        return norm(h)
+        return zero_centred_norm(self.target_norm, h) if zero_centred(self.target_norm) else self.target_norm(h)
 
     def _graphed_fuse(self, features: tuple[torch.Tensor, ...], positions: list[int]) -> torch.Tensor | None:
         """``_fuse`` of the verify nodes ``positions`` as gathers into static buffers plus one CUDA-graph replay (one
