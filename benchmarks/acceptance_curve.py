@@ -7,10 +7,11 @@ target: Gaussian noise of a swept scale is added to the drafter's logits before 
 calls, so its top-k changes and its confidences stay those of a real softmax. Sampling at temperature 0.7 and 1.0
 lowers tau without noise. Every speculative point is measured with the fallback to autoregressive decoding off (what
 speculation itself costs) and, for the default tree, on (what a user gets by default). ``tree`` chooses each
-proposal's shape (``loop.shapes``), ``tree_fixed`` drafts the configured 8 / 4 / 63 every step; every point is run
-untimed over all its prompts first, until a pass captures no graph (at most 4 passes), so that the shapes its
-acceptance leads the policy to have their graphs captured (a capture costs up to ~0.1 s; each record counts the
-captures its timed calls still made).
+proposal's shape (``loop.shapes``), ``tree_fixed`` drafts the configured 8 / 4 / 63 (or ``--fixed-shape``) every
+step; every point is run untimed over all its prompts first, until a pass captures no graph (at most 4 passes), so
+that the shapes its acceptance leads the policy to have their graphs captured (a capture costs up to ~0.1 s; each
+record counts the captures its timed calls still made). The shape policy's costs and acceptance per shape are
+logged last.
 
     python benchmarks/acceptance_curve.py --eval-dir data/eval --out $OUT
 
@@ -95,6 +96,11 @@ def log_shape_costs(target) -> None:
                      for table in (memory.shapes.verify_seconds, memory.shapes.draft_seconds)]
             log(f"shape costs {key[0]} {key[1][:4]} {key[2]}: verify ms by bucket {costs[0]}, drafting ms by depths "
                 f"{costs[1]}")
+            shapes = memory.shapes
+            if shapes.count is not None:     # what it learnt of each shape: rows depth 1.., columns its budgets
+                mean = (shapes.accepted / shapes.count).nan_to_num(-1)
+                log(f"    steps observed per shape {shapes.count.round().int().tolist()}, drafts accepted "
+                    f"{[[round(v, 2) for v in row] for row in mean.tolist()]} (-1: never observed)")
 
 
 def speculation_counts(stats: list) -> dict:
@@ -223,6 +229,8 @@ def main():
     ap.add_argument("--top-k", type=int, help="sampling: top-k warper (default: the generation config's, 50)")
     ap.add_argument("--top-p", type=float, help="sampling: top-p warper (default: none; Qwen's configs: 0.95)")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--fixed-shape", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                    metavar="DEPTH,BUDGET", help="tree_fixed's draft depth and tree budget (default: 8,63)")
     ap.add_argument("--stock-prompts", type=positive, default=2, help="prompts timed with stock generate (it is "
                     "slow; at least 1: every record carries its time)")
     ap.add_argument("--shape", choices=["1.3b", "trained"], default="1.3b",
@@ -233,6 +241,9 @@ def main():
     add_tuning_options(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.fixed_shape:
+        depth, budget = args.fixed_shape
+        METHODS["tree_fixed"][1].update(draft_depth=depth, tree_budget=budget)
     if args.plot_only:
         saved = json.loads(args.plot_only.read_text())
         plot(saved["records"], args.out / "acceptance_curve.png", saved["meta"])
@@ -327,7 +338,6 @@ def measure(args) -> None:
                                   autoregressive_fallback=True, **kw)
                 record(method, scale, None, ms, stats, True)
             (args.out / "acceptance_curve.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    log_shape_costs(target)
     noise.set(0.0)
     for temp in map(float, args.temperatures.split(",")):
         ar[temp] = ar_ms(True, temp)
@@ -342,6 +352,7 @@ def measure(args) -> None:
                                   assistant_model=drafters[drafter], autoregressive_fallback=fallback, **kw)
                 record(method, 0.0, temp, ms, stats, fallback)
         (args.out / "acceptance_curve.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    log_shape_costs(target)
     plot(records, args.out / "acceptance_curve.png", meta)
     print("| method | noise | T | tau | ms/token | graph AR ms/token | vs graph AR | vs stock | mode |")
     print("|---|---|---|---|---|---|---|---|---|")
