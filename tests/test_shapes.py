@@ -59,12 +59,12 @@ def test_a_verified_tree_says_what_each_smaller_shape_accepts(seed):
     score, token, parent = drafted_candidates(K, D, gen)
     n = int(torch.randint(K, len(score) + 1, (), generator=gen))
     rows = tree_of(score, token, parent, K, D, n)
-    # the target follows one drafted branch for a random length, then wants a token no child holds
-    leaf = int(torch.randint(1, n + 1, (), generator=gen))
-    branch, up = [], rows[1].long().tolist()
-    while leaf > 0:
-        branch.append(int(rows[0, leaf]))
-        leaf = up[leaf]
+    # the target follows one drafted branch (in the tree or not) for a random length, then wants a token no child holds
+    leaf = int(torch.randint(0, len(score), (), generator=gen))
+    branch = []
+    while leaf >= 0:
+        branch.append(int(token[leaf]))
+        leaf = int(parent[leaf])
     secret = branch[::-1][:int(torch.randint(0, D + 1, (), generator=gen))] + [99]
     path = accepted_path(rows, secret)
     sizes = sorted({3, 7, 15, n - 1, n, n + 4} - {0})
