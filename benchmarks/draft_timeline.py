@@ -3,7 +3,9 @@
 random-weight Qwen3.5 over a 32K draft vocabulary (``hybrid_bench``'s models). Each kernel's duration and the idle
 gap before it, from the profiler's trace of graph replays. A proposal is the host-driven ``launch`` after a verify
 step (the accepted path's feature fusion, the drafter's catch-up on it, 8 depth graphs, the tree selection), so its
-first kernels wait on the host; the depths after the first are what the device loop replays.
+first kernels wait on the host; the depths after the first are what the device loop replays. ``--temperature``
+(with ``--top-k``, default transformers' 50, and ``--top-p``) draws each node's children as sampled decoding does
+(``sample_drafts``: ``ops.draw_children``) instead of taking its top-k.
 
     source .device/prelude.sh && export PYTHONPATH=$PWD/kernels:$PYTHONPATH && \\
         python benchmarks/draft_timeline.py --out $OUT/timeline [--shape 0.8b]
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 import specla_hf  # noqa: F401  (registers the drafter classes)
 from specla_hf.app.loading import load_models
@@ -71,6 +75,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shape", choices=["1.3b", "0.8b", "9b"], default="1.3b")
+    ap.add_argument("--temperature", type=float, help="draw the drafts under these warpers (default: greedy top-k)")
+    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     target, drafter, H = models(args.shape)
@@ -78,6 +85,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     proposer = drafter.candidate_generator(target, draft_options(tree=True, confidence_threshold=0.0))
     proposer.reserve(256)
+    if args.temperature is not None:         # the warpers generate() would build
+        warpers = [TemperatureLogitsWarper(args.temperature), TopKLogitsWarper(args.top_k)]
+        if args.top_p < 1:
+            warpers.append(TopPLogitsWarper(args.top_p))
+        proposer.sample_drafts(LogitsProcessorList(warpers))
     verified = tuple(torch.randn(1, 32, H, device="cuda", dtype=torch.bfloat16) for _ in proposer.feature_layers)
     seq = {"ids": torch.randint(0, V, (1, 17), generator=gen)}
     proposer.add_features(tuple(f[:, :16] for f in verified))
