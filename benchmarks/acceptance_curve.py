@@ -92,11 +92,11 @@ def log_shape_costs(target) -> None:
     drafted, for each drafter and setting the target's adapter remembers."""
     for per_drafter in (adapter_for(target).speculation_memory or {}).values():
         for key, memory in per_drafter.items():
+            shapes = memory.shapes
             costs = [{k: round(1e3 * v, 3) for k, v in sorted(table.items())}
-                     for table in (memory.shapes.verify_seconds, memory.shapes.draft_seconds)]
+                     for table in (shapes.verify_seconds, shapes.draft_seconds)]
             log(f"shape costs {key[0]} {key[1][:4]} {key[2]}: verify ms by bucket {costs[0]}, drafting ms by depths "
                 f"{costs[1]}")
-            shapes = memory.shapes
             if shapes.count is not None:     # what it learnt of each shape: rows depth 1.., columns its budgets
                 mean = (shapes.accepted / shapes.count).nan_to_num(-1)
                 log(f"    steps observed per shape {shapes.count.round().int().tolist()}, drafts accepted "

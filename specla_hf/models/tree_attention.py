@@ -122,12 +122,12 @@ def rotary_rows(rotary_emb, x: torch.Tensor, positions: torch.Tensor,
     that position alone (elementwise ops), so the rows are bitwise its output. Rope types whose frequencies follow
     the sequence length (dynamic NTK, LongRoPE) run the module."""
     rope_type = getattr(rotary_emb, "rope_type", "default")
-    table = layer.rotary_table
-    stale = table is None or table.shape[1] < layer.capacity or table.dtype != x.dtype or table.device != x.device
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()      # a capture's warm-up builds the table
-    if "dynamic" in rope_type or rope_type == "longrope" or (stale and capturing):
+    if "dynamic" in rope_type or rope_type == "longrope":
         return rotary_emb(x, rotary_positions(rotary_emb, positions))
-    if stale:
+    table = layer.rotary_table
+    if table is None or table.shape[1] < layer.capacity or table.dtype != x.dtype or table.device != x.device:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():      # a capture's warm-up builds the table
+            return rotary_emb(x, rotary_positions(rotary_emb, positions))
         every = torch.arange(layer.capacity, device=x.device)[None]
         table = layer.rotary_table = torch.cat(rotary_emb(x, rotary_positions(rotary_emb, every)))   # [2, capacity, R]
     # an indexing gather: aten's index_select of a few indices walks them one after another (9.4 us for 16)
