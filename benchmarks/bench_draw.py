@@ -6,6 +6,7 @@ vocabulary, 4 children a row, temperature 0.7 under transformers' default top-k 
 - ``draw``: the whole call as the drafter makes it (``ops.draw_children``: the seed drawn on the device, then the
   kernels: one program a row at 8192 entries; at 32K the warpers in slices, then the slices' draws);
 - ``draw_no_top_k``: the call without the top-k warper;
+- ``draw_bf16``: the call on the rows in bf16 (raw logits as the drafter's LM head gives them);
 - ``torch_warpers``: the warpers in torch, then the kernels at temperature 1 (the path of other processors);
 - ``greedy_topk``: a greedy depth's ``ops.row_topk`` of the same rows;
 - ``top_p`` / ``torch_top_p``: Qwen's sampling settings (temperature 0.7, top-k 20, top-p 0.95) through
@@ -14,8 +15,8 @@ The target's side of a sampled step, a verified tree's warped probabilities (``o
 transformers' warpers and a softmax, ``torch_``), at 64 nodes of 8192 entries (the 1.3B GDN shape) and at 16 and
 64 nodes of 248,320 (Qwen3.5), bf16 as the verify pass gives them, with and without top-p; the long rows also in
 slices of 4096 and 16384 (``slices4096_``, ``slices16384_``), with each launch's time. ``--baseline FILE``: the
-same draft rows for another version of ``draw.py`` (e.g. ``git show REV:kernels/specla_kernels/draw.py > FILE``),
-alternated with the current one. Writes ``--out/bench_draw.json``; tables last.
+same draft rows and the target's rows of 8192 entries for another version of ``draw.py`` (e.g.
+``git show REV:kernels/specla_kernels/draw.py > FILE``), alternated with the current one. Writes ``--out/bench_draw.json``; tables last.
 
     python benchmarks/bench_draw.py --out OUT [--baseline FILE]
 """
@@ -78,8 +79,10 @@ def rows_for(draw, logp: torch.Tensor) -> dict:
     logq = torch.empty_like(logp)
     warpers = warpers_of(TOP_K)
     no_context = torch.empty(F, 0, dtype=torch.long, device=logp.device)
+    logits = logp.to(torch.bfloat16)
     return {
         "draw": lambda: draw(logp, K, TEMPERATURE, TOP_K, logq),
+        "draw_bf16": lambda: draw(logits, K, TEMPERATURE, TOP_K, logq),
         "draw_no_top_k": lambda: draw(logp, K, TEMPERATURE, 0, logq),
         "torch_warpers": lambda: draw(warpers(no_context, logp.float()), K, 1.0, 0, logq),
     }
@@ -94,8 +97,9 @@ def top_p_rows(logp: torch.Tensor) -> dict:
             "torch_top_p": lambda: ops.draw_children(warpers(no_context, logp.float()), K, 1.0, 0, logq)}
 
 
-def target_record(R: int, V: int, gen: torch.Generator) -> dict:
-    """A verified tree's warped probabilities, ``ops.warped_probs`` against transformers' warpers and a softmax;
+def target_record(R: int, V: int, gen: torch.Generator, baseline=None) -> dict:
+    """A verified tree's warped probabilities, ``ops.warped_probs`` against transformers' warpers and a softmax
+    (and ``baseline``'s ``warped_log_probs``, a module of ``load_version``, on rows of one program);
     rows longer than one program's also in slices of 4096 and 16384 entries where they fit (``warped_probs_sliced``,
     against its default of ``WARP_SLICES``), and the GPU time of each of its three launches (``stage_us``: slices,
     merge, write; the profiler's, outside a graph)."""
@@ -107,6 +111,9 @@ def target_record(R: int, V: int, gen: torch.Generator) -> dict:
         name = f"top_k{top_k}" + (f"_top_p{top_p}" if top_p < 1.0 else "")
         calls = {"": lambda: ops.warped_probs(logits, TEMPERATURE, top_k, top_p),
                  "torch_": lambda: warpers(no_context, logits.float()).softmax(-1)}
+        if baseline is not None and V <= ONE_PROGRAM_VOCAB:
+            out = torch.empty(R, V, device="cuda")
+            calls["baseline_"] = lambda: baseline.warped_log_probs(logits, TEMPERATURE, top_k, out, top_p).exp_()
         if V > ONE_PROGRAM_VOCAB:
             for block in (4096, 16384):
                 if sliced_warp_fits(V, top_k, block):
@@ -146,8 +153,9 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     versions = {"current": ops.draw_children}          # with its routing of long rows
-    if args.baseline:
-        versions["baseline"] = module_draw(load_version(args.baseline))
+    baseline = load_version(args.baseline) if args.baseline else None
+    if baseline is not None:
+        versions["baseline"] = module_draw(baseline)
     gen = torch.Generator().manual_seed(0)
     records, targets = [], []
 
@@ -168,7 +176,7 @@ def main() -> None:
         print(json.dumps(record), flush=True)
         write()
     for R, V in TARGET_SHAPES:
-        targets.append(target_record(R, V, gen))
+        targets.append(target_record(R, V, gen, baseline))
         print(json.dumps(targets[-1]), flush=True)
         write()
     table(records, "rows x vocab")

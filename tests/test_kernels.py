@@ -1136,28 +1136,33 @@ def test_draw_children_matches_reference(device):
     """Given the same uniforms, the drawn children (tokens exactly; log-probs, sibling ranks and the written log-prob
     rows to rounding) equal the reference: with and without the top-k and top-p warpers, temperatures below and above
     1, rows drawn by one program (up to ``4 * block`` entries; any row under a warper) and by slices, a strided row
-    view, exact score ties at the top-k threshold, a row with -inf entries and warpers keeping fewer
-    entries than the draws (the rest token 0 at -inf)."""
+    view, bf16 scores (raw logits: the threshold on their 16-bit keys), exact score ties at the top-k threshold (a
+    few: the draws made from the listed survivors; more than the list holds: from the whole row), a row with -inf
+    entries and warpers keeping fewer entries than the draws (the rest token 0 at -inf)."""
     from specla_kernels.draw import draw_children
     gen = seeded('draw')
     block = 64 if device == "cpu" else 1024
-    for F, V, k, temperature, top_k, top_p in [
-            (1, 37, 3, 0.7, 0, 1.0), (4, 300, 4, 0.7, 50, 1.0), (3, 2100, 4, 1.0, 5, 1.0), (2, 150, 2, 1.6, 0, 1.0),
-            (4, 64, 4, 1.3, 2, 1.0), (2, 5000, 16, 0.9, 64, 1.0), (3, 200, 4, 0.8, 0, 0.9), (4, 300, 4, 1.2, 30, 0.6),
-            (2, 700, 8, 1.0, 0, 0.05), (2, 9000, 4, 0.7, 20, 0.95), (2, 1500, 4, 0.7, 0, 1.0),
-            (2, 9000, 4, 0.7, 0, 1.0)]:
+    f32, bf16 = torch.float32, torch.bfloat16
+    for F, V, k, temperature, top_k, top_p, dtype in [
+            (1, 37, 3, 0.7, 0, 1.0, f32), (4, 300, 4, 0.7, 50, 1.0, f32), (3, 2100, 4, 1.0, 5, 1.0, f32),
+            (2, 150, 2, 1.6, 0, 1.0, f32), (4, 64, 4, 1.3, 2, 1.0, f32), (2, 5000, 16, 0.9, 64, 1.0, f32),
+            (3, 200, 4, 0.8, 0, 0.9, f32), (4, 300, 4, 1.2, 30, 0.6, f32), (2, 700, 8, 1.0, 0, 0.05, f32),
+            (2, 9000, 4, 0.7, 20, 0.95, f32), (2, 1500, 4, 0.7, 0, 1.0, f32), (2, 9000, 4, 0.7, 0, 1.0, f32),
+            (4, 300, 4, 0.7, 50, 1.0, bf16), (3, 1000, 4, 0.6, 20, 1.0, bf16), (2, 64, 4, 1.3, 2, 1.0, bf16),
+            (2, 500, 4, 0.8, 20, 0.9, bf16), (4, 8192, 4, 0.7, 50, 1.0, bf16)]:
         if device == "cpu" and V > 2100:
             continue
-        x = torch.log_softmax(torch.randn(F + 1, V, generator=gen) * 3, -1)
-        x[0, ::7] = x[0, 3]                                   # ties, some at the top-k threshold
+        x = torch.log_softmax(torch.randn(F + 1, V, generator=gen) * 3, -1) if dtype == f32 else \
+            (torch.randn(F + 1, V, generator=gen) * 3).to(dtype)
+        x[0, ::7] = x[0].topk(top_k).values[-1] if top_k else x[0, 3]      # ties, at the top-k threshold
         x[-1, :5] = float("-inf")
         rows, u = x[:F].to(device), torch.rand(F, V, generator=gen).to(device)
-        got_q, want_q = torch.full_like(rows, float("nan")), torch.empty_like(rows)
+        got_q, want_q = torch.full(rows.shape, float("nan"), device=device), torch.empty(rows.shape, device=device)
         one_program = max(4 * block, V) if top_k or top_p < 1.0 else 4 * block
         got = draw_children(rows, k, temperature, top_k, got_q, uniforms=u, block=block, one_program=one_program,
                             top_p=top_p)
         want = ref.draw_children_ref(rows, k, temperature, top_k, want_q, u, top_p)
-        case = (F, V, k, temperature, top_k, top_p)
+        case = (F, V, k, temperature, top_k, top_p, dtype)
         assert torch.equal(got[2], want[2]), case
         for g, w in [(got[0], want[0]), (got[1], want[1]), (got_q, want_q)]:
             assert torch.equal(g.isinf(), w.isinf()) and not g.isnan().any(), case

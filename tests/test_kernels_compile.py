@@ -129,6 +129,7 @@ def call_every_wrapper():
     log_softmax.log_softmax(z(1, 248320, dtype=f32))                            # a row read twice
     seed = torch.zeros(1, dtype=torch.long)
     draw.draw_children(z(4, 8192, dtype=f32), 4, 0.7, 50, z(4, 8192, dtype=f32), seed=seed)   # a top-k warper
+    draw.draw_children(z(4, 8192), 4, 0.7, 50, z(4, 8192, dtype=f32), seed=seed)   # bf16 logits: 16-bit keys
     draw.draw_children(z(4, 8192, dtype=f32), 4, 1.0, 0, z(4, 8192, dtype=f32), seed=seed)
     draw.draw_children(z(4, 8192, dtype=f32), 4, 0.7, 20, z(4, 8192, dtype=f32), seed=seed, top_p=0.95)  # top-p
     draw.warped_log_probs(z(64, 16384, dtype=f32), 0.7, 0, z(64, 16384, dtype=f32), top_p=0.9)

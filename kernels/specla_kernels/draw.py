@@ -6,10 +6,13 @@ the target's warpers (temperature, top-k): the ``K`` largest Gumbel keys. In tor
 draws' log-probs, the sibling ranks), each costing more in launch and dependency gaps than in work.
 
 A row of up to ``ONE_PROGRAM_VOCAB`` entries (a drafter's vocabulary of 8K-16K tokens) is one program from start to
-end, held in registers: the top-k warper's threshold (the ``top_k``-th largest scaled score, by bisection over the
-scores' 32-bit order), the log-softmax's normaliser, the Gumbel keys (uniforms from Philox on a seed read from device
-memory, so a CUDA graph replays fresh draws), the ``K`` largest keys (the draws, in draw order), their log-probs and
-sibling ranks (fp64), and the row's log-probs (``-inf`` where removed: the acceptance's ``q``). One launch a depth.
+end, held in registers: the top-k warper's threshold (the ``top_k``-th largest scaled score, by a four-way search
+over the scores' 32-bit order, or the 16-bit order of bf16 scores), the log-softmax's normaliser, the Gumbel keys
+(uniforms from Philox on a seed read from device memory, so a CUDA graph replays fresh draws), the ``K`` largest keys
+(the draws, in draw order), their log-probs and sibling ranks (fp64), and the row's log-probs (``-inf`` where
+removed: the acceptance's ``q``). One launch a depth. Under a top-k warper the keys are drawn for the survivors
+alone: the program lists their columns (up to ``CAP``, a scratch row in global memory) and reads them back, so the
+Philox draws and the ``K`` rounds of maxima cover ``CAP`` entries instead of the whole row.
 
 A longer row (a 32K draft vocabulary) comes warped (``ops.draw_children`` applies the warpers first, in slices by
 ``warped_probs_sliced`` below) and is spread over slices of it, in three launches:
@@ -77,14 +80,22 @@ def _halve(lo, hi, mid, count, TOP_K: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(key, counted, TOP_K: tl.constexpr):
-    """The largest order key ``t`` with at least ``TOP_K`` of the ``counted`` keys ``>= t``, by bisection over the
-    2^32 keys (32 counting passes); the lowest key where fewer are counted."""
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
-        lo, hi = _halve(lo, hi, mid, tl.sum((counted & (key >= mid.to(tl.int32))).to(tl.int32), 0), TOP_K)
+def _kth_key(key, counted, TOP_K: tl.constexpr, BITS: tl.constexpr):
+    """The largest key ``t`` (keys of ``BITS`` bits, signed) with at least ``TOP_K`` of the ``counted`` keys ``>= t``;
+    the lowest key where fewer are counted. A four-way search in ``BITS / 2`` passes: each pass counts the keys at
+    or above three cuts in one reduction (one int64 sum of 21-bit fields), where a bisection would take two passes
+    for the same narrowing."""
+    lo = tl.full([], -(1 << (BITS - 1)), tl.int64)
+    for i in tl.static_range(BITS // 2):
+        # the answer lies in [lo, lo + 4 * span), span = 2^(BITS - 2 - 2i)
+        m1 = lo + (1 << (BITS - 2 - 2 * i))
+        m2 = lo + (2 << (BITS - 2 - 2 * i))
+        m3 = lo + (3 << (BITS - 2 - 2 * i))
+        fields = (tl.where(key >= m1.to(tl.int32), 1, 0).to(tl.int64) + tl.where(key >= m2.to(tl.int32), 1 << 21, 0)
+                  + tl.where(key >= m3.to(tl.int32), 1 << 42, 0))
+        n = tl.sum(tl.where(counted, fields, 0), 0)
+        lo = tl.where((n >> 42) >= TOP_K, m3,
+                      tl.where(((n >> 21) & 0x1FFFFF) >= TOP_K, m2, tl.where((n & 0x1FFFFF) >= TOP_K, m1, lo)))
     return lo.to(tl.int32)
 
 
@@ -189,23 +200,51 @@ def _nucleus(s, cols, top_p, INDEX_STEPS: tl.constexpr):
 
 
 @triton.jit
-def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank, token, V, temperature, top_p,
-                    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                    TOP_P: tl.constexpr, INDEX_STEPS: tl.constexpr, GIVEN_UNIFORMS: tl.constexpr):
+def _draw_picks(x, stride_x, uniforms, seed, row, cols, s, V, K: tl.constexpr, KP: tl.constexpr,
+                GIVEN_UNIFORMS: tl.constexpr):
+    """The columns of the ``K`` largest Gumbel keys of the kept scores ``s`` at ``cols`` (``[KP]``, in draw order)."""
+    key = _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS)
+    _, pick = top_k_slots(key, cols.to(tl.int64), key != float("-inf"), K, KP)
+    return pick
+
+
+@triton.jit
+def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank, token, listed, V, temperature,
+                    top_p, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                    TOP_P: tl.constexpr, INDEX_STEPS: tl.constexpr, GIVEN_UNIFORMS: tl.constexpr,
+                    KEY_BITS: tl.constexpr, CAP: tl.constexpr):
     # a whole row in one program (module docstring): thresholds, normaliser, keys, draws, the log-prob row
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    s = _scaled(x, stride_x, row, cols, V, temperature)
+    raw = tl.load(x + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    s = raw / temperature
     if TOP_K > 0:
-        s = tl.where(s >= _key_score(_kth_key(_order_keys(s), cols < V, TOP_K)), s, float("-inf"))
+        if KEY_BITS == 16:      # bf16 scores: the upper half of their fp32 order key orders them (half the passes)
+            t = _kth_key(_order_keys(raw) >> 16, cols < V, TOP_K, 16) << 16
+            s = tl.where(raw >= _key_score(t), s, float("-inf"))
+        else:
+            s = tl.where(s >= _key_score(_kth_key(_order_keys(s), cols < V, TOP_K, 32)), s, float("-inf"))
     if TOP_P:
         s = _nucleus(s, cols, top_p, INDEX_STEPS)
     top = tl.max(s, 0)
     norm = top + tl.log(tl.sum(tl.exp(s - top), 0))
     tl.store(logq + row.to(tl.int64) * stride_q + cols, s - norm, mask=cols < V)
     if K > 0:                                                  # K 0: the warped rows alone (``warped_log_probs``)
-        key = _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS)
-        _, pick = top_k_slots(key, cols.to(tl.int64), key != float("-inf"), K, KP)
+        if CAP > 0:
+            kept = s > float("-inf")
+            n = tl.sum(kept.to(tl.int32), 0)
+            if n <= CAP:       # the few entries a top-k warper keeps, listed: their draws cost CAP entries' work
+                at = listed + row.to(tl.int64) * CAP
+                tl.store(at + tl.cumsum(kept.to(tl.int32), 0) - 1, cols, mask=kept)
+                tl.debug_barrier()                             # the list, written by all threads, read by all
+                j = tl.arange(0, CAP)
+                few = tl.load(at + j, mask=j < n, other=V)
+                pick = _draw_picks(x, stride_x, uniforms, seed, row, few,
+                                   _scaled(x, stride_x, row, few, V, temperature), V, K, KP, GIVEN_UNIFORMS)
+            else:
+                pick = _draw_picks(x, stride_x, uniforms, seed, row, cols, s, V, K, KP, GIVEN_UNIFORMS)
+        else:
+            pick = _draw_picks(x, stride_x, uniforms, seed, row, cols, s, V, K, KP, GIVEN_UNIFORMS)
         _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, token, K, KP)
 
 
@@ -236,11 +275,19 @@ def draw_logq_kernel(x, stride_x, lse, logq, stride_q, V, temperature, BLOCK: tl
     tl.store(logq + row.to(tl.int64) * stride_q + cols, out, mask=cols < V)
 
 
-def _one_row(V: int) -> dict:
-    """``draw_row_kernel``'s block and warps for rows of ``V`` entries: the whole row, 32 entries a thread at most
-    (and the index bisection's steps: the block's bits)."""
-    BLOCK = max(16, triton.next_power_of_2(V))
-    return dict(BLOCK=BLOCK, INDEX_STEPS=BLOCK.bit_length(), num_warps=max(1, min(16, BLOCK // 1024)))
+def _one_row(x: torch.Tensor, top_k: int, k: int) -> dict:
+    """``draw_row_kernel``'s block and warps for rows ``x [F, V]``: the whole row, 32 entries a thread at most (and
+    the index bisection's steps: the block's bits); 16-bit keys for bf16 scores; under a top-k warper, the slots
+    ``CAP`` of the list of kept entries the ``k`` draws are made from (0: none, the draws read the whole row)."""
+    BLOCK = max(16, triton.next_power_of_2(x.shape[1]))
+    cap = 2 * triton.next_power_of_2(top_k) if top_k and k else 0
+    return dict(BLOCK=BLOCK, INDEX_STEPS=BLOCK.bit_length(), num_warps=max(1, min(16, BLOCK // 1024)),
+                KEY_BITS=16 if x.dtype == torch.bfloat16 else 32, CAP=cap if 4 * cap <= BLOCK else 0)
+
+
+def _listed(x: torch.Tensor, meta: dict) -> torch.Tensor:
+    """``draw_row_kernel``'s scratch for each row's list of kept entries (``meta``: ``_one_row``'s)."""
+    return torch.empty(x.shape[0], max(1, meta["CAP"]), dtype=torch.int32, device=x.device)
 
 
 def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_out: torch.Tensor,
@@ -264,10 +311,11 @@ def draw_children(x: torch.Tensor, k: int, temperature: float, top_k: int, logq_
     rank = torch.empty(F, k, dtype=f32, device=dev)
     token = torch.empty(F, k, dtype=torch.int64, device=dev)
     if V <= one_program:
+        meta = _one_row(x, top_k, k)
         draw_row_kernel[(F,)](x, x.stride(0), uniforms.contiguous() if given else x,
                               seed if seed is not None else token, logq_out, logq_out.stride(0), top_logq, rank,
-                              token, V, temperature, top_p, K=k, KP=KP, TOP_K=top_k, TOP_P=top_p < 1.0,
-                              GIVEN_UNIFORMS=given, **_one_row(V))
+                              token, _listed(x, meta), V, temperature, top_p, K=k, KP=KP, TOP_K=top_k,
+                              TOP_P=top_p < 1.0, GIVEN_UNIFORMS=given, **meta)
         return top_logq, rank, token
     BLOCK = min(block, max(16, triton.next_power_of_2(V)))
     NB = triton.cdiv(V, BLOCK)
@@ -297,8 +345,8 @@ def warped_log_probs(x: torch.Tensor, temperature: float, top_k: int, out: torch
     if V > ONE_PROGRAM_VOCAB:
         raise ValueError(f"warped_log_probs takes rows of at most {ONE_PROGRAM_VOCAB} entries, got {V}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    draw_row_kernel[(F,)](x, x.stride(0), x, x, out, out.stride(0), x, x, x, V, temperature, top_p, K=0, KP=1,
-                          TOP_K=top_k, TOP_P=top_p < 1.0, GIVEN_UNIFORMS=False, **_one_row(V))
+    draw_row_kernel[(F,)](x, x.stride(0), x, x, out, out.stride(0), x, x, x, x, V, temperature, top_p, K=0, KP=1,
+                          TOP_K=top_k, TOP_P=top_p < 1.0, GIVEN_UNIFORMS=False, **_one_row(x, top_k, 0))
     return out
 
 
@@ -330,7 +378,7 @@ def warp_slices_kernel(x, stride_x, cand_v, n_above, group_v, group_c, V, NB, te
         passes += 1
     tied = tl.zeros([], tl.int32)
     if searching:
-        t = _kth_key(key, finite, TOP_K)
+        t = _kth_key(key, finite, TOP_K, 32)
         tied = tl.sum((finite & (key == t)).to(tl.int32), 0)
     listed = finite & (key > t)
     at = row.to(tl.int64) * NB + i_s
