@@ -16,6 +16,8 @@ import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from specla_kernels import accept as accept_kernels
 from specla_kernels import commit as commit_kernels
@@ -23,6 +25,7 @@ from specla_kernels import tuning
 from specla_kernels import ops
 from specla_kernels import reference as ref
 from specla_kernels.ops import commit_, commit_state_, commit_window_
+from specla_kernels.draw import _kth_key
 from specla_kernels.gate import gdn_gate_beta
 from specla_kernels.masked_attention import masked_attention as masked_attention_kernel
 from specla_kernels.topk import row_topk as topk_kernel
@@ -1129,6 +1132,32 @@ def test_expand_frontier_matches_reference(device):
                 outs.append(args[5:])
             for got, want in zip(*outs):
                 assert torch.equal(got.cpu(), want.cpu()), (F, K)
+
+
+@triton.jit
+def kth_kernel(keys, out, N, TOP_K: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.arange(0, BLOCK)
+    tl.store(out, _kth_key(tl.load(keys + c, mask=c < N, other=0), c < N, TOP_K, BITS))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kth_key_is_the_kth_largest(device):
+    """``draw._kth_key``'s four-way search: the ``top_k``-th largest of random keys over the whole range of 32-bit and
+    16-bit keys (its extremes included), with ties, and the lowest key where fewer are counted."""
+    gen = seeded('kth key')
+    for bits in (32, 16):
+        low = -2 ** (bits - 1)
+        for trial in range(12):
+            n = int(torch.randint(1, 300, (1,), generator=gen))
+            keys = torch.randint(low, -low, (n,), generator=gen, dtype=torch.int64)
+            if trial % 3 == 0:
+                keys = keys[torch.randint(0, n, (n,), generator=gen)]          # ties
+            keys[:min(n, 2)] = [-low - 1, low][trial % 2]                      # the range's ends
+            top_k = int(torch.randint(1, 70, (1,), generator=gen))
+            out = torch.zeros(1, dtype=torch.int32, device=device)
+            kth_kernel[(1,)](keys.to(torch.int32).to(device), out, n, TOP_K=top_k, BITS=bits, BLOCK=512)
+            want = keys.sort(descending=True).values[top_k - 1].item() if top_k <= n else low
+            assert out.item() == want, (bits, n, top_k)
 
 
 @pytest.mark.parametrize("device", DEVICES)

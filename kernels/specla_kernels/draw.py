@@ -83,19 +83,16 @@ def _halve(lo, hi, mid, count, TOP_K: tl.constexpr):
 def _kth_key(key, counted, TOP_K: tl.constexpr, BITS: tl.constexpr):
     """The largest key ``t`` (keys of ``BITS`` bits, signed) with at least ``TOP_K`` of the ``counted`` keys ``>= t``;
     the lowest key where fewer are counted. A four-way search in ``BITS / 2`` passes: each pass counts the keys at
-    or above three cuts in one reduction (one int64 sum of 21-bit fields), where a bisection would take two passes
-    for the same narrowing."""
+    or above three cuts in one reduction (of a ``[BLOCK, 4]`` tensor of int32 indicators: a pass costs about its
+    reduction), where a bisection takes two passes for the same narrowing."""
     lo = tl.full([], -(1 << (BITS - 1)), tl.int64)
+    j = tl.arange(0, 4)
     for i in tl.static_range(BITS // 2):
-        # the answer lies in [lo, lo + 4 * span), span = 2^(BITS - 2 - 2i)
-        m1 = lo + (1 << (BITS - 2 - 2 * i))
-        m2 = lo + (2 << (BITS - 2 - 2 * i))
-        m3 = lo + (3 << (BITS - 2 - 2 * i))
-        fields = (tl.where(key >= m1.to(tl.int32), 1, 0).to(tl.int64) + tl.where(key >= m2.to(tl.int32), 1 << 21, 0)
-                  + tl.where(key >= m3.to(tl.int32), 1 << 42, 0))
-        n = tl.sum(tl.where(counted, fields, 0), 0)
-        lo = tl.where((n >> 42) >= TOP_K, m3,
-                      tl.where(((n >> 21) & 0x1FFFFF) >= TOP_K, m2, tl.where((n & 0x1FFFFF) >= TOP_K, m1, lo)))
+        # the answer lies in [lo, lo + 4 * span), span = 2^(BITS - 2 - 2i); cut j at lo + j * span (j 0: all keys)
+        span = 1 << (BITS - 2 - 2 * i)
+        cuts = (lo + j.to(tl.int64) * span).to(tl.int32)
+        n = tl.sum(((key[:, None] >= cuts[None, :]) & counted[:, None]).to(tl.int32), 0)
+        lo += tl.sum(((n >= TOP_K) & (j > 0)).to(tl.int64), 0) * span     # counts fall with j: the last cut kept
     return lo.to(tl.int32)
 
 
