@@ -274,9 +274,10 @@ class DynamicTreeDrafter:
 
     def score(self, n: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the drafter over tree slots ``0..n`` from its committed state (inputs in ``self.buffers``); draft
-        log-probs ``[len(rows), vocab]`` of the slots ``rows`` (the LM head runs on those only), and the pass's
-        per-slot outputs that ``add_nodes`` hands on to new nodes (``None``: the drafter hands on none). Runs inside a
-        CUDA-graph capture: no host synchronisation, no state kept."""
+        log-probs ``[len(rows), vocab]`` of the slots ``rows`` (the LM head runs on those only; a drafter may give
+        its logits where its drafts are drawn under warpers in the kernels, ``_warpers``, which normalise the rows
+        themselves), and the pass's per-slot outputs that ``add_nodes`` hands on to new nodes (``None``: the drafter
+        hands on none). Runs inside a CUDA-graph capture: no host synchronisation, no state kept."""
         raise NotImplementedError
 
     def add_nodes(self, first: int, parents: torch.Tensor, outputs: torch.Tensor | None) -> None:
@@ -353,7 +354,8 @@ class DynamicTreeDrafter:
             b.parents[1:1 + K].fill_(-1)      # the root is in the committed state: its children hang off that
 
     def _children(self, logp: torch.Tensor, first: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Children of the frontier nodes in slots ``first..`` from their draft log-probs ``logp [F, vocab]``:
+        """Children of the frontier nodes in slots ``first..`` from their draft log-probs ``logp [F, vocab]`` (or
+        logits, under ``_warpers``: ``score``):
         log-probs, selection ranks and tokens ``[F, k]``: the ``k`` of highest log-prob, or ``k`` draws without
         replacement under ``draft_sampling`` (``sample_drafts``), their distributions kept by slot."""
         if self.draft_sampling is None:

@@ -244,7 +244,8 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
         self.fused_tree = (fused_block(drafter.block) and plain_norm(drafter.norm)
                            and getattr(self.lm_head, "bias", None) is None)
 
-    def compute(self, inputs, cache, parents, logits_positions, hidden_layers) -> RunnerOutput:
+    def compute(self, inputs, cache, parents, logits_positions, hidden_layers,
+                log_probs: bool = True) -> RunnerOutput:
         fused, tokens, *more = inputs                 # more: what the drafter's project_input takes beyond these
         if parents is None:
             cache.check_consumable()
@@ -263,7 +264,9 @@ class _BlockRunner(TargetBoundRunner, GDNRunner):
             y, residual = block.mlp_norm(y, residual=x, prenorm=True)
             top, h = norm(self._mlp(0, y), residual=residual, prenorm=True)       # the residual add rides on it
             logits = self.lm_head(top if logits_positions is None else top[:, logits_positions])
-        return RunnerOutput(ops.log_softmax(logits), (h,))          # fp32 log-probs, from 16-bit logits in one launch
+        # fp32 log-probs, from 16-bit logits in one launch (``log_probs`` False: the logits, for a kernel that
+        # normalises them itself)
+        return RunnerOutput(ops.log_softmax(logits) if log_probs else logits, (h,))
 
     def _normed_inputs(self, fused: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """``[embed_norm(E[tokens]) ; feature_norm(fused)]`` ``[B, T, 2H]``: one kernel where the embedding is a
@@ -390,7 +393,8 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def score(self, n: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.buffers
-        out = self.runner.compute((b.fused[:, :n], b.tokens[None, :n]), self.cache, b.parents[None, :n], rows, ())
+        out = self.runner.compute((b.fused[:, :n], b.tokens[None, :n]), self.cache, b.parents[None, :n], rows, (),
+                                  log_probs=self._warpers is None)
         self.cache.discard()
         return out.logits[0], out.hidden_states[0][0]
 

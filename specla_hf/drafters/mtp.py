@@ -244,7 +244,7 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
                                                  attn.head_dim, self.dtype, self.device, capacity, fixed)])
 
     def compute(self, inputs, cache: SpecLACache, parents: torch.Tensor | None, logits_positions,
-                hidden_layers: tuple[int, ...]) -> RunnerOutput:
+                hidden_layers: tuple[int, ...], log_probs: bool = True) -> RunnerOutput:
         hidden, tokens = inputs
         layer = cache.layers[0]
         pending_before = cache.num_pending
@@ -259,7 +259,7 @@ class _MTPRunner(TargetBoundRunner, HybridRunner):
                               pending=parents is not None, fused=fused)
         top = out if logits_positions is None else out[:, logits_positions]
         logits = self.lm_head(top) if self.draft_head is None else F.linear(top, self.draft_head)
-        return RunnerOutput(ops.log_softmax(logits), (out,))
+        return RunnerOutput(ops.log_softmax(logits) if log_probs else logits, (out,))     # as ``_BlockRunner``'s
 
     def _mtp_layer(self, tokens: torch.Tensor, hidden: torch.Tensor, layer: SpecLAAttentionLayer, attention,
                    pending: bool, fused: bool = False) -> torch.Tensor:
