@@ -1142,7 +1142,7 @@ def kth_kernel(keys, out, N, TOP_K: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kth_key_is_the_kth_largest(device):
-    """``draw._kth_key``'s four-way search: the ``top_k``-th largest of random keys over the whole range of 32-bit and
+    """``draw._kth_key``'s search: the ``top_k``-th largest of random keys over the whole range of 32-bit and
     16-bit keys (its extremes included), with ties, and the lowest key where fewer are counted."""
     gen = seeded('kth key')
     for bits in (32, 16):
