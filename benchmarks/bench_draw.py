@@ -16,7 +16,8 @@ transformers' warpers and a softmax, ``torch_``), at 64 nodes of 8192 entries (t
 64 nodes of 248,320 (Qwen3.5), bf16 as the verify pass gives them, with and without top-p; the long rows also in
 slices of 4096 and 16384 (``slices4096_``, ``slices16384_``), with each launch's time. ``--baseline FILE``: the
 same draft rows and the target's rows of 8192 entries for another version of ``draw.py`` (e.g.
-``git show REV:kernels/specla_kernels/draw.py > FILE``), alternated with the current one. Writes ``--out/bench_draw.json``; tables last.
+``git show REV:kernels/specla_kernels/draw.py > FILE``), alternated with the current one. Writes
+``--out/bench_draw.json``; tables last.
 
     python benchmarks/bench_draw.py --out OUT [--baseline FILE]
 """
