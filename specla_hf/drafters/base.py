@@ -43,7 +43,7 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
 from specla_hf.drafters.options import DraftOptions
-from specla_hf.loop.acceptance import kernel_warpers, processor_key
+from specla_hf.loop.acceptance import Warpers, kernel_warpers, processor_key
 from specla_hf.models.graphed import tree_bucket
 from specla_hf.runtime.transfer import HostCopy, copy_in
 from specla_kernels import ops
@@ -247,7 +247,7 @@ class DynamicTreeDrafter:
     # (``sample_drafts``; None: top-k children)
     samples_drafts: bool = True
     draft_sampling: LogitsProcessorList | None = None
-    _warpers: tuple[float, int] | None = None           # ``kernel_warpers`` of ``draft_sampling``
+    _warpers: Warpers | None = None                     # ``kernel_warpers`` of ``draft_sampling``
     _sampling_key: tuple | None = None
 
     def __init__(self, options: DraftOptions):
