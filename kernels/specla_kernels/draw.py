@@ -195,8 +195,7 @@ def _nucleus(s, cols, top_p, INDEX_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _draw_picks(x, stride_x, uniforms, seed, row, cols, s, V, K: tl.constexpr, KP: tl.constexpr,
-                GIVEN_UNIFORMS: tl.constexpr):
+def _draw_picks(uniforms, seed, row, cols, s, V, K: tl.constexpr, KP: tl.constexpr, GIVEN_UNIFORMS: tl.constexpr):
     """The columns of the ``K`` largest Gumbel keys of the kept scores ``s`` at ``cols`` (``[KP]``, in draw order)."""
     key = _gumbel_keys(s, uniforms, seed, row, cols, V, GIVEN_UNIFORMS)
     _, pick = top_k_slots(key, cols.to(tl.int64), key != float("-inf"), K, KP)
@@ -234,12 +233,12 @@ def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank,
                 tl.debug_barrier()                             # the list, written by all threads, read by all
                 j = tl.arange(0, CAP)
                 few = tl.load(at + j, mask=j < n, other=V)
-                pick = _draw_picks(x, stride_x, uniforms, seed, row, few,
-                                   _scaled(x, stride_x, row, few, V, temperature), V, K, KP, GIVEN_UNIFORMS)
+                pick = _draw_picks(uniforms, seed, row, few, _scaled(x, stride_x, row, few, V, temperature), V, K, KP,
+                                   GIVEN_UNIFORMS)
             else:
-                pick = _draw_picks(x, stride_x, uniforms, seed, row, cols, s, V, K, KP, GIVEN_UNIFORMS)
+                pick = _draw_picks(uniforms, seed, row, cols, s, V, K, KP, GIVEN_UNIFORMS)
         else:
-            pick = _draw_picks(x, stride_x, uniforms, seed, row, cols, s, V, K, KP, GIVEN_UNIFORMS)
+            pick = _draw_picks(uniforms, seed, row, cols, s, V, K, KP, GIVEN_UNIFORMS)
         _store_draws(x, stride_x, row, pick, norm, temperature, top_logq, rank, token, K, KP)
 
 
