@@ -54,10 +54,15 @@ VALUE_PASSES = 16             # its value bisection's passes at most before the 
 
 
 @triton.jit
+def _scores(x, stride_x, row, cols, V):
+    """The row's scores at ``cols`` in fp32, ``-inf`` past V."""
+    return tl.load(x + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
 def _scaled(x, stride_x, row, cols, V, temperature):
     """The row's scores at ``cols`` after the temperature warper (fp32 ``scores / temperature``), ``-inf`` past V."""
-    m = cols < V
-    return tl.load(x + row.to(tl.int64) * stride_x + cols, mask=m, other=float("-inf")).to(tl.float32) / temperature
+    return _scores(x, stride_x, row, cols, V) / temperature
 
 
 @triton.jit
@@ -210,7 +215,7 @@ def draw_row_kernel(x, stride_x, uniforms, seed, logq, stride_q, top_logq, rank,
     # a whole row in one program (module docstring): thresholds, normaliser, keys, draws, the log-prob row
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    raw = tl.load(x + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    raw = _scores(x, stride_x, row, cols, V)                 # unscaled: bf16 rows take 16-bit keys
     s = raw / temperature
     if TOP_K > 0:
         if KEY_BITS == 16:      # bf16 scores: the upper half of their fp32 order key orders them (half the passes)
