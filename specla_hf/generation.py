@@ -11,7 +11,9 @@ autoregressive loop (CUDA graphs, the fused one-token step) with the same option
 
 Extra ``generate`` keywords: ``tree`` (bool), ``tree_budget``, ``tree_topk``, ``draft_depth``,
 ``confidence_threshold``, ``adaptive_drafting``, ``sampled_drafts`` (default on: under sampling the drafter draws
-its children and the acceptance is recursive rejection sampling, ``loop.acceptance``), ``autoregressive_fallback``
+its children and the acceptance is recursive rejection sampling, ``loop.acceptance``), ``draft_temperature_ratio``
+(the drafter draws at the target's temperature times this; default: the drafter's calibrated ratio, its config's
+``draft_temperature_ratio``, else 1), ``autoregressive_fallback``
 (default on: decode autoregressively once speculation costs more per token than an autoregressive step on this
 device), ``specla``. After the call
 ``model.specla_stats`` holds a ``SpecLAStats`` (its ``mode`` says whether speculation ran to the end, and why not);
@@ -49,7 +51,8 @@ class SpecLAGenerateOutput(GenerateDecoderOnlyOutput):
 
 def draft_options(tree: bool | None = None, tree_budget: int | None = None, tree_topk: int | None = None,
                   draft_depth: int | None = None, confidence_threshold: float | None = None,
-                  adaptive_drafting: bool | None = None, sampled_drafts: bool | None = None) -> DraftOptions:
+                  adaptive_drafting: bool | None = None, sampled_drafts: bool | None = None,
+                  draft_temperature_ratio: float | None = None) -> DraftOptions:
     base = TREE_DEFAULTS if tree else CHAIN_DEFAULTS
     depth = draft_depth if draft_depth is not None else base.depth
     topk = (tree_topk if tree_topk is not None else base.topk) if tree else 1
@@ -59,7 +62,8 @@ def draft_options(tree: bool | None = None, tree_budget: int | None = None, tree
     return DraftOptions(depth=depth, topk=topk, budget=budget,
                         threshold=base.threshold if confidence_threshold is None else confidence_threshold,
                         adaptive=base.adaptive if adaptive_drafting is None else adaptive_drafting,
-                        sampled=base.sampled if sampled_drafts is None else sampled_drafts)
+                        sampled=base.sampled if sampled_drafts is None else sampled_drafts,
+                        temperature_ratio=draft_temperature_ratio)
 
 
 def make_drafter(target, assistant, options: DraftOptions) -> DynamicTreeDrafter:
@@ -144,8 +148,8 @@ def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, gene
                      specla_assistant=None, specla_streamer=None, tree: bool | None = None,
                      tree_budget: int | None = None, tree_topk: int | None = None, draft_depth: int | None = None,
                      confidence_threshold: float | None = None, adaptive_drafting: bool | None = None,
-                     sampled_drafts: bool | None = None, autoregressive_fallback: bool | None = None,
-                     **model_kwargs):
+                     sampled_drafts: bool | None = None, draft_temperature_ratio: float | None = None,
+                     autoregressive_fallback: bool | None = None, **model_kwargs):
     """transformers ``custom_generate`` callable: the SpecLA loop under transformers' own generation setup (without
     an assistant: its autoregressive loop)."""
     _check_generation(model, input_ids, generation_config, model_kwargs)
@@ -153,7 +157,7 @@ def _specla_decoding(model, input_ids, logits_processor, stopping_criteria, gene
     drafter = None
     if specla_assistant is not None:
         options = draft_options(tree, tree_budget, tree_topk, draft_depth, confidence_threshold, adaptive_drafting,
-                                sampled_drafts)
+                                sampled_drafts, draft_temperature_ratio)
         drafter = make_drafter(model, specla_assistant, options)
     fallback = AUTOREGRESSIVE_FALLBACK if autoregressive_fallback is None else autoregressive_fallback
     if specla_streamer is not None:

@@ -67,6 +67,9 @@ def test_draft_option_errors(target, bad_drafter):
         gen(target, bad_drafter, tree=True, tree_topk=0)
     with pytest.raises(ValueError, match="tree_budget=1000: a verify pass takes at most 128 nodes"):
         gen(target, bad_drafter, tree=True, tree_budget=1000)
+    for ratio in (0, -1.0, float("nan"), float("inf"), "1.2"):
+        with pytest.raises(ValueError, match="draft_temperature_ratio must be a positive number"):
+            gen(target, bad_drafter, draft_temperature_ratio=ratio)
 
 
 def test_degenerate_prompts(target, bad_drafter):

@@ -196,15 +196,15 @@ def test_generate_samples_through_the_same_loop(target, bad_drafter):
         assert torch.equal(via_generate, direct), ids
 
 
-@pytest.mark.parametrize("tree, acceptance, sampled, top_p", [
-    (False, "device", True, 1.0), (True, "device", True, 1.0), (True, "device", True, 0.85),
-    (False, "host", True, 1.0), (True, "host", True, 1.0), (True, "host", False, 1.0)])
-def test_sampling_is_lossless(tree, acceptance, sampled, top_p):
+@pytest.mark.parametrize("tree, acceptance, sampled, top_p, ratio", [
+    (False, "device", True, 1.0, None), (True, "device", True, 1.0, 1.6), (True, "device", True, 0.85, None),
+    (False, "host", True, 1.0, None), (True, "host", True, 1.0, 0.6), (True, "host", False, 1.0, None)])
+def test_sampling_is_lossless(tree, acceptance, sampled, top_p, ratio):
     """5000 draws of (x1, x2) on a vocabulary of 8: the test detects a 2% shift of probability mass (see below).
     Temperature, top-k and top-p treat each row alone: the device loop accepts (``sample_accept``); a repetition
     penalty reads each node's sequence: the host walks the tree (``accept_path``). Drafts sampled from the drafter
-    (the default) and drafts of highest log-prob (``sampled_drafts=False``; on the device, the rule's own test
-    below)."""
+    (the default; also drawn hotter and colder than the target, ``draft_temperature_ratio``) and drafts of highest
+    log-prob (``sampled_drafts=False``; on the device, the rule's own test below)."""
     torch.manual_seed(1234)
     target = tiny_gdn(seed=30, vocab=8, hidden=32, head_dim=8)
     drafter = tiny_gdn(seed=31, vocab=8, hidden=32, head_dim=8, layers=1)
@@ -214,7 +214,7 @@ def test_sampling_is_lossless(tree, acceptance, sampled, top_p):
                                 + ([RepetitionPenaltyLogitsProcessor(1.5)] if acceptance == "host" else []))
     p1, p2 = _exact_first_two(target, ids, procs)
     options = draft_options(tree=tree, tree_topk=3 if tree else None, confidence_threshold=0.0,
-                            sampled_drafts=sampled, adaptive_drafting=False)
+                            sampled_drafts=sampled, adaptive_drafting=False, draft_temperature_ratio=ratio)
     c1, c12, _, where = _sample_counts(GDNRunner(target), lambda: GDNDrafter(drafter, options), ids, 5000, procs)
     assert where == {acceptance}
     assert _chisq_pvalue(c1, p1) > 1e-3
@@ -232,19 +232,22 @@ def test_sampled_drafts_from_the_targets_own_law_are_accepted(target, acceptance
     """A drafter with the target's law, sampling at temperature 1 (a random model: near-uniform laws). Sampled drafts
     are accepted with probability min(1, p / q) = 1 up to rounding, so every step keeps its whole chain; drafts of
     highest log-prob are accepted with the target's probability of each, rarely. On the device loop and the host
-    walk (a repetition penalty of 1, which changes nothing but is not row-wise)."""
+    walk (a repetition penalty of 1, which changes nothing but is not row-wise). Drawn at a fifth of the target's
+    temperature (``draft_temperature_ratio``), the drafts follow another law, nearly the drafter's argmax, and are
+    accepted as rarely as the top-k drafts."""
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(8))
     penalty = (dict(logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.0)]))
                if acceptance == "host" else {})
     tau = {}
-    for sampled in (True, False):
+    for rule, drafting in (("drawn", {}), ("top-k", dict(sampled_drafts=False)),
+                           ("drawn colder", dict(draft_temperature_ratio=0.2))):
         torch.manual_seed(2)
         target.generate(ids, max_new_tokens=41, do_sample=True, temperature=1.0, assistant_model=target,
                         draft_depth=4, confidence_threshold=0.0, adaptive_drafting=False,
-                        autoregressive_fallback=False, sampled_drafts=sampled, **penalty)
-        tau[sampled] = target.specla_stats.tau
+                        autoregressive_fallback=False, **drafting, **penalty)
+        tau[rule] = target.specla_stats.tau
         assert target.specla_stats.acceptance == acceptance
-    assert tau[True] > 4.5 and tau[False] < 1.5, tau
+    assert tau["drawn"] > 4.5 and tau["top-k"] < 1.5 and tau["drawn colder"] < 1.5, tau
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

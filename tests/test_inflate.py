@@ -35,6 +35,7 @@ def test_inflated_drafter_drafts_what_the_small_drafter_drafts(kind):
         drafter.set_bigram(bigram_table([torch.randint(0, 97, (300,)) % 11], 97, drafter.config.ngram_topk))
     else:
         drafter = SpecLADrafter(SpecLADrafterConfig.for_target(small.config, num_heads=2, head_dim=16)).eval()
+    drafter.config.draft_temperature_ratio = 1.25           # the calibration goes with the drafter
     with torch.no_grad():                       # peaked draft distributions: top-k choices are not near-ties
         for p in drafter.parameters():
             if p.dim() == 2:
@@ -44,6 +45,7 @@ def test_inflated_drafter_drafts_what_the_small_drafter_drafts(kind):
     big, big_drafter = inflate_pair(small, drafter, cfg)           # the aligned drafter is inflated with it
     assert big_drafter.config.feature_layers == [0, 1, 6]        # small top layer 3 -> inflated top layer 6
     assert big_drafter.config.hidden_size == 160 and type(big_drafter) is type(drafter)
+    assert big_drafter.config.draft_temperature_ratio == 1.25
     with pytest.raises(ValueError, match="does not fit"):
         big_drafter.check_target(small)
 

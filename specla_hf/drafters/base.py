@@ -246,8 +246,12 @@ class DynamicTreeDrafter:
     # whether ``_depth_step`` can draw children from the drafter's distribution, and the processors it draws under
     # (``sample_drafts``; None: top-k children)
     samples_drafts: bool = True
+    # the drafter's calibrated ratio of its drawing temperature to the target's (a drafter's laws can be sharper or
+    # flatter than the target's; ``DraftOptions.temperature_ratio`` overrides it)
+    temperature_ratio: float = 1.0
     draft_sampling: LogitsProcessorList | None = None
-    _warpers: Warpers | None = None                     # ``kernel_warpers`` of ``draft_sampling``
+    _warpers: Warpers | None = None                     # ``kernel_warpers`` of ``draft_sampling``, at ``_ratio``
+    _ratio: float = 1.0                                 # the temperature ratio the drafts are drawn at
     _sampling_key: tuple | None = None
 
     def __init__(self, options: DraftOptions):
@@ -303,18 +307,21 @@ class DynamicTreeDrafter:
 
     def sample_drafts(self, processors: LogitsProcessorList | None) -> None:
         """Before a generation: with ``processors`` (row-wise logits processors, the target's), each expanded node's
-        children are drawn without replacement from the drafter's distribution under them (Gumbel top-k), and the
+        children are drawn without replacement from the drafter's distribution under them (Gumbel top-k; its scores
+        divided by the temperature ratio first, ``DraftOptions.temperature_ratio``), and the
         tree carries those distributions (``DraftTree.draft_logq``), so that the acceptance takes a child with
         probability ``min(1, p / q)`` and rejects into the residual (recursive rejection sampling,
         ``loop.acceptance``): a drafter close to the target is then accepted nearly always, where the children of
         highest draft log-prob are accepted with the target's probability of each. ``None`` (greedy decoding, or a
         drafter that cannot, ``samples_drafts``): the ``topk`` children of highest draft log-prob."""
         self.draft_sampling = processors if self.samples_drafts else None
+        ratio = self.options.temperature_ratio
+        self._ratio = self.temperature_ratio if ratio is None else float(ratio)
         # temperature, top-k and top-p alone: warped inside ``ops.draw_children`` (others run in torch first)
-        self._warpers = (None if self.draft_sampling is None
-                         else kernel_warpers(self.draft_sampling, self.options.topk))
+        warpers = None if self.draft_sampling is None else kernel_warpers(self.draft_sampling, self.options.topk)
+        self._warpers = None if warpers is None else warpers._replace(temperature=warpers.temperature * self._ratio)
         self._sampling_key = (None if self.draft_sampling is None
-                              else (processor_key(self.draft_sampling), self._warpers is not None))
+                              else (processor_key(self.draft_sampling), self._warpers is not None, self._ratio))
 
     # ---- the expansion ----
     @property
@@ -366,7 +373,7 @@ class DynamicTreeDrafter:
             temperature, top_k, top_p = self._warpers
             return ops.draw_children(logp, k, temperature, top_k, rows, top_p)
         no_context = torch.empty(logp.shape[0], 0, dtype=torch.long, device=logp.device)
-        return ops.draw_children(self.draft_sampling(no_context, logp.float()), k, 1.0, 0, rows)
+        return ops.draw_children(self.draft_sampling(no_context, logp.float() / self._ratio), k, 1.0, 0, rows)
 
     def tree_draft_logq(self, slots: torch.Tensor) -> torch.Tensor:
         """The draft log-probs after the tree nodes in ``slots`` (their expanded slots) over the target's vocabulary

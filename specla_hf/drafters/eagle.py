@@ -84,7 +84,8 @@ class SpecLADrafterConfig(PretrainedConfig):
                  num_heads: int = 6, head_dim: int = 64, num_v_heads: int | None = None, expand_v: float = 2.0,
                  hidden_ratio: int = 2, intermediate_size: int | None = None, conv_size: int = 4,
                  use_short_conv: bool = True, use_gate: bool = True, allow_neg_eigval: bool = False,
-                 norm_eps: float = 1e-6, initializer_range: float = 0.02, **kwargs):
+                 norm_eps: float = 1e-6, initializer_range: float = 0.02, draft_temperature_ratio: float = 1.0,
+                 **kwargs):
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.target_model_type = target_model_type
@@ -107,6 +108,9 @@ class SpecLADrafterConfig(PretrainedConfig):
         self.allow_neg_eigval = allow_neg_eigval
         self.norm_eps = norm_eps
         self.initializer_range = initializer_range
+        # under sampling, the drafter's drawing temperature over the target's: the ratio at which its draws are
+        # accepted most often on held-out text (``benchmarks/node_acceptance.py --ratios``)
+        self.draft_temperature_ratio = draft_temperature_ratio
         kwargs.setdefault("tie_word_embeddings", False)   # nothing to tie: embedding and head are the target's
         super().__init__(**kwargs)
 
@@ -302,6 +306,7 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def __init__(self, drafter: SpecLADrafter, target, options: DraftOptions):
         super().__init__(options)
+        self.temperature_ratio = float(drafter.config.draft_temperature_ratio)
         self._bind(drafter, _BlockRunner.for_drafter(drafter, target), tuple(drafter.config.feature_layers),
                    target.config.get_text_config().num_hidden_layers, text_decoder(target).norm)
 

@@ -19,6 +19,8 @@ class DraftOptions:
                                           # proposal's depth and budget up to these (``loop.shapes``)
     sampled: bool = True                  # under sampling, draw each node's children from the drafter's
                                           # distribution (``DynamicTreeDrafter.sample_drafts``), not its top-k
+    temperature_ratio: float | None = None  # drawn children come at the target's temperature times this (None: the
+                                          # drafter's calibrated ratio, ``DynamicTreeDrafter.temperature_ratio``)
 
     def __post_init__(self):
         for name, value in (("draft_depth", self.depth), ("tree_topk", self.topk), ("tree_budget", self.budget)):
@@ -27,6 +29,9 @@ class DraftOptions:
         if self.budget > MAX_TREE_BUDGET:
             raise ValueError(f"tree_budget={self.budget}: a verify pass takes at most {MAX_TREE_BUCKET} nodes, the "
                              f"root included; pass at most {MAX_TREE_BUDGET}")
+        if self.temperature_ratio is not None and not (isinstance(self.temperature_ratio, (int, float))
+                                                       and 0.0 < self.temperature_ratio < float("inf")):
+            raise ValueError(f"draft_temperature_ratio must be a positive number, got {self.temperature_ratio!r}")
         if not 0.0 <= self.threshold < 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {self.threshold}")
         if 1 + self.topk * self.depth > MAX_TREE_BUCKET:

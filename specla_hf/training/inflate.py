@@ -115,7 +115,8 @@ def inflate_drafter(drafter, small_target: GatedDeltaNetForCausalLM, big_target:
     dart = isinstance(drafter, SpecLADartDrafter)
     extra = {k: getattr(s_cfg, k) for k in ("draft_slots", "ngram_topk", "ngram_weight", "ngram_candidates")} \
         if dart else {}
-    cfg = type(s_cfg).for_target(big_target.config, feature_layers=layers, hidden_ratio=s_cfg.hidden_ratio, **extra)
+    cfg = type(s_cfg).for_target(big_target.config, feature_layers=layers, hidden_ratio=s_cfg.hidden_ratio,
+                                 draft_temperature_ratio=s_cfg.draft_temperature_ratio, **extra)
     h_s, h_b = s_cfg.hidden_size, cfg.hidden_size
     cfg.norm_eps = s_cfg.norm_eps * h_s / h_b          # every hidden-size norm sees mean(x^2) shrink by h_s/h_b
     with torch.device(big_target.device):
