@@ -46,6 +46,8 @@ METHODS = {
     "tree_fixed": ("eagle", dict(tree=True, confidence_threshold=0.0, adaptive_drafting=False)),
     # under sampling, each node's top-k children instead of draws from the drafter (greedy: "tree", not run)
     "tree_topk_drafts": ("eagle", dict(tree=True, confidence_threshold=0.0, sampled_drafts=False)),
+    # under sampling, drafts drawn at the target's own temperature (``tree``: at the drafter's calibrated ratio)
+    "tree_target_temperature": ("eagle", dict(tree=True, confidence_threshold=0.0, draft_temperature_ratio=1.0)),
     "tree_pruned": ("eagle", dict(tree=True, confidence_threshold=0.05)),
     "dart": ("dart", dict(tree=True, confidence_threshold=0.0)),
 }
@@ -326,8 +328,8 @@ def measure(args) -> None:
 
     for method in args.methods.split(","):
         drafter, kw = METHODS[method]
-        if kw.get("sampled_drafts") is False:        # a sampling rule: under greedy decoding it is another method's
-            continue
+        if kw.get("sampled_drafts") is False or "draft_temperature_ratio" in kw:    # a sampling rule: under greedy
+            continue                                                                   # decoding, another method's
         for scale in [float(x) for x in args.noise.split(",") if x]:       # "": sampling only
             noise.set(scale)
             ms, stats = timed(target, ids_list, n, do_sample=False, assistant_model=drafters[drafter],

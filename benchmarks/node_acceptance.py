@@ -7,13 +7,20 @@ target's probability of each, against children drawn from the drafter and accept
 The target writes ``--new-tokens`` after the first ``--per-set`` prompts of each set at ``--temperature`` (its own
 sampled text); on that text the EAGLE-style drafter reads the target's features (depth 1) or its own previous output
 (depth 2, the training-time test's second pass), and each position's target law ``p`` and draft law ``q`` at each
-sampling temperature give the chance that one child (the top-1, or a draw) and that any of ``--children`` children
-(the top-k, or draws without replacement, by Monte Carlo) is accepted. fp32 on the CPU.
+sampling temperature (with the top-k warper, ``--top-k``) give the chance that one child (the top-1, or a draw) and
+that any of ``--children`` children (the top-k, or draws without replacement, by Monte Carlo) is accepted. fp32 on
+the CPU.
+
+``--ratios`` calibrates the drafter's drawing temperature (``SpecLADrafterConfig.draft_temperature_ratio``): the
+chance that one drawn child is accepted, ``sum(min(p, q))``, with ``q`` at the target's temperature times each ratio,
+and the ratio that maximises it over the temperatures and both depths (a drafter sharper than the target is
+accepted more often drawing hotter). ``--write-ratio`` stores that ratio in the drafter's config.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 from pathlib import Path
 
 import torch
@@ -54,8 +61,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.7, help="of the target's text")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0], help="of the acceptance")
+    ap.add_argument("--top-k", type=int, default=50, help="the top-k warper of both laws (default: generate()'s when "
+                    "the generation config sets none; 0: none)")
     ap.add_argument("--children", type=int, default=4)
     ap.add_argument("--draws", type=int, default=64)
+    ap.add_argument("--ratios", type=float, nargs="+", default=[1.0],
+                    help="drafter temperature ratios to compare (module docstring)")
+    ap.add_argument("--write-ratio", action="store_true", help="store the best ratio in the drafter's config.json")
     args = ap.parse_args()
     torch.set_num_threads(2)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
@@ -77,13 +89,38 @@ def main() -> None:
         head = target.get_output_embeddings()
         logq = {d: torch.log_softmax(head(drafter.norm(h)).float(), -1) for d, h in ((1, h1), (2, h2))}
     prompt_tail = length - args.new_tokens           # positions inside the prompt: left out
+    top_k = args.top_k
+
+    def law(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The rows of ``scores`` past the prompt under the temperature and top-k warpers, as probabilities."""
+        scores = scores[:, prompt_tail:]
+        if top_k:
+            scores = scores.masked_fill(scores < scores.topk(top_k, -1).values[..., -1:], float("-inf"))
+        return torch.softmax(scores / temperature, -1).flatten(0, 1)
+
     torch.manual_seed(0)
+    one_draw = {r: [] for r in args.ratios}
     for t in args.temperatures:
-        p = torch.softmax(sig["logp"].detach()[:, prompt_tail:] / t, -1).flatten(0, 1)
+        p = law(sig["logp"].detach(), t)
         for depth, lq in logq.items():
-            q = torch.softmax(lq[:, prompt_tail:] / t, -1).flatten(0, 1)
-            rates = acceptance(p, q, args.children, args.draws)
-            print(f"T {t} depth {depth}: " + ", ".join(f"{k} {v:.3f}" for k, v in rates.items()), flush=True)
+            for r in args.ratios:
+                q = law(lq, t * r)
+                one_draw[r].append(float(torch.minimum(p, q).sum(1).mean()))
+                if r == 1.0 or len(args.ratios) == 1:
+                    rates = acceptance(p, q, args.children, args.draws)
+                    print(f"T {t} depth {depth}: " + ", ".join(f"{k} {v:.3f}" for k, v in rates.items()), flush=True)
+            print(f"T {t} top-k {top_k} depth {depth}, one drawn child accepted, by drafter temperature ratio: " +
+                  ", ".join(f"{r:g} {one_draw[r][-1]:.3f}" for r in args.ratios), flush=True)
+    mean = {r: sum(v) / len(v) for r, v in one_draw.items()}
+    best = max(args.ratios, key=mean.get)
+    print(f"best ratio {best:g}: one drawn child accepted {mean[best]:.3f} on average"
+          + (f", against {mean[1.0]:.3f} at 1" if 1.0 in mean else ""), flush=True)
+    if args.write_ratio:        # the JSON itself: the config as loaded here says float32
+        path = Path(args.drafter) / "config.json"
+        config = json.loads(path.read_text())
+        config["draft_temperature_ratio"] = best
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        print(f"wrote draft_temperature_ratio {best:g} into {path}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ over all prompts together. Every prompt decodes to ``--max-new-tokens`` (no EOS)
 on a GPU with TF32 off, so that the comparison with plain decoding is exact). ``--temperatures 0.7 1.0`` adds tau
 under sampling at each temperature, in the configured shapes (``adaptive_drafting=False``: acceptance, not the shape
 a device's timings choose), with drafts drawn from the drafter (the default) and its top-k drafts
-(``sampled_drafts=False``), each prompt with the same seed under both.
+(``sampled_drafts=False``), each prompt with the same seed under both; ``--draft-temperature-ratios`` adds drafts
+drawn at those ratios of the drafter's temperature to the target's (``draft_temperature_ratio``; the drafter's own
+calibrated ratio otherwise).
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def main() -> None:
                     help="prompts decoded plainly by the stock forward (default: all; see main)")
     ap.add_argument("--temperatures", type=float, nargs="*", default=[],
                     help="also measure tau under sampling at these temperatures (module docstring)")
+    ap.add_argument("--draft-temperature-ratios", type=float, nargs="*", default=[],
+                    help="under sampling, also drafts drawn at these temperature ratios (module docstring)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -76,7 +80,8 @@ def main() -> None:
     for name in args.drafters:
         drafter = load_drafter(target, name, args)
         results[name] = evaluate(target, drafter, prompts, plain, args.max_new_tokens)
-        results[name].update(evaluate_sampling(target, drafter, prompts, args.max_new_tokens, args.temperatures))
+        results[name].update(evaluate_sampling(target, drafter, prompts, args.max_new_tokens, args.temperatures,
+                                                 args.draft_temperature_ratios))
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "prompts": len(prompts),
                                         "device": str(target.device),
@@ -118,24 +123,27 @@ def evaluate(target, drafter, prompts: list, plain: list, max_new_tokens: int) -
     return results
 
 
-def evaluate_sampling(target, drafter, prompts: list, max_new_tokens: int, temperatures: list[float]) -> dict:
+def evaluate_sampling(target, drafter, prompts: list, max_new_tokens: int, temperatures: list[float],
+                      ratios: list[float]) -> dict:
     """tau of ``drafter`` under sampling at each temperature, chain and tree in their configured shapes, with drafts
     drawn from the drafter and with its top-k drafts (module docstring)."""
     results = {}
     for temperature in temperatures:
         for name, drafting in CONFIGS:
-            for drafts, sampled in (("sampled", True), ("top-k", False)):
+            rules = [("sampled", {}), *((f"sampled at ratio {r:g}", dict(draft_temperature_ratio=r)) for r in ratios),
+                     ("top-k", dict(sampled_drafts=False))]
+            for drafts, rule in rules:
                 accepted = steps = 0
                 for seed, (_, p) in enumerate(prompts):
                     torch.manual_seed(seed)
                     target.generate(**p, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
                                     assistant_model=drafter, autoregressive_fallback=False, adaptive_drafting=False,
-                                    sampled_drafts=sampled, **drafting)
+                                    **rule, **drafting)
                     accepted += sum(target.specla_stats.accepted)
                     steps += target.specla_stats.steps
                 key = f"{name} T{temperature:g} {drafts}"
                 results[key] = {"tau": (accepted + steps) / steps, "steps": steps, "temperature": temperature,
-                                "drafts": drafts, "options": {**drafting, "adaptive_drafting": False}}
+                                "drafts": drafts, "options": {**drafting, **rule, "adaptive_drafting": False}}
                 print(f"{type(drafter).__name__} {key:<22} tau {results[key]['tau']:.2f} over {steps} verify steps",
                       flush=True)
     return results
