@@ -227,7 +227,7 @@ def main():
     ap.add_argument("--per-set", type=int, default=4, help="prompts per set (MT-Bench, HumanEval, Alpaca)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--noise", default="0,1,2,3,4,6,9", help="noise scales on the drafter's logits (\"\": none)")
-    ap.add_argument("--temperatures", default="0.7,1.0")
+    ap.add_argument("--temperatures", default="0.7,1.0", help="sampling temperatures (\"\": none)")
     ap.add_argument("--top-k", type=int, help="sampling: top-k warper (default: the generation config's, 50)")
     ap.add_argument("--top-p", type=float, help="sampling: top-p warper (default: none; Qwen's configs: 0.95)")
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -285,7 +285,7 @@ def measure(args) -> None:
     for name, (drafter, kw) in METHODS.items():
         run(target, ids_list[:1], 32, do_sample=False, assistant_model=drafters[drafter], autoregressive_fallback=False,
             **kw)
-    for temp in map(float, args.temperatures.split(",")):
+    for temp in [float(x) for x in args.temperatures.split(",") if x]:      # "": greedy only
         run(target, ids_list[:1], 16, do_sample=True, temperature=temp, assistant_model=eagle,
             autoregressive_fallback=False, tree=True, **sampling)
         run(target, ids_list[:1], 16, do_sample=True, temperature=temp, specla=True, **sampling)   # its graphs
@@ -341,7 +341,7 @@ def measure(args) -> None:
                 record(method, scale, None, ms, stats, True)
             (args.out / "acceptance_curve.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     noise.set(0.0)
-    for temp in map(float, args.temperatures.split(",")):
+    for temp in [float(x) for x in args.temperatures.split(",") if x]:      # "": greedy only
         ar[temp] = ar_ms(True, temp)
         torch_warpers = meta.setdefault("graph_ar_torch_warpers_ms_per_token", {})
         torch_warpers[temp] = ar_ms_torch_warpers(target, ids_list, n, do_sample=True, temperature=temp, **sampling)

@@ -50,8 +50,13 @@ def main() -> None:
                     help="also measure tau under sampling at these temperatures (module docstring)")
     ap.add_argument("--draft-temperature-ratios", type=float, nargs="*", default=[],
                     help="under sampling, also drafts drawn at these temperature ratios (module docstring)")
+    ap.add_argument("--tree-budget", type=int, default=None,
+                    help="the tree's draft nodes a step (default: the configured 63; the shape policy on a GPU "
+                         "verifies 16-32-node buckets at realistic acceptance)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.tree_budget is not None:
+        CONFIGS[1][1]["tree_budget"] = args.tree_budget
     torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(args.device).eval()
