@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import specla_hf  # noqa: F401
 from specla_hf.app.prompts import load_prompts
-from specla_kernels.reference import rejection_residual, without_draw
+from specla_kernels.reference import rejection_residual, warped_scores_ref, without_draw
 from specla_hf.training.train_drafter import continue_text, target_signals
 
 EVAL_FILES = ("mt_bench.jsonl", "humaneval.jsonl", "alpaca_eval_80.jsonl")
@@ -93,10 +93,7 @@ def main() -> None:
 
     def law(scores: torch.Tensor, temperature: float) -> torch.Tensor:
         """The rows of ``scores`` past the prompt under the temperature and top-k warpers, as probabilities."""
-        scores = scores[:, prompt_tail:]
-        if top_k:
-            scores = scores.masked_fill(scores < scores.topk(top_k, -1).values[..., -1:], float("-inf"))
-        return torch.softmax(scores / temperature, -1).flatten(0, 1)
+        return warped_scores_ref(scores[:, prompt_tail:].flatten(0, 1), temperature, top_k).softmax(-1)
 
     torch.manual_seed(0)
     one_draw = {r: [] for r in args.ratios}
