@@ -234,9 +234,9 @@ def fused_gemm(weight: torch.Tensor, x: torch.Tensor, *, norm: tuple[torch.Tenso
     if gate is not None and (HD & (HD - 1) or K % HD or HD < MIN_GATED_HEAD):
         raise ValueError(f"the gated-norm prologue needs a power-of-two head size of at least {MIN_GATED_HEAD} "
                          f"dividing {K}, got {HD}")
-    if config is None and not x.is_cuda:     # the interpreter (tests): one launch, K in slices when long enough
-        bk = HD if gate is not None else 16
-        config = dict(BN=16, BK=bk, KS=2 * bk if K > 2 * bk else 0)
+    if config is None and not x.is_cuda:     # the interpreter (tests): one launch, K in slices when long enough;
+        bk = HD if gate is not None else 32  # few, wide programs, as each costs the interpreter the same
+        config = dict(BN=32, BK=bk, KS=2 * bk if K > 2 * bk else 0)
     narrowest = min(c.kwargs["KS"] or K for c in _tuned.configs) if config is None else config["KS"] or K
     MP = max(16, triton.next_power_of_2(M))
     y = x.new_empty(M, N)
