@@ -35,9 +35,12 @@ def test_graphed_autoregressive_decoding_keeps_the_state():
                                                                                 do_sample=False))
 
 
-def test_graphed_speculative_decoding_is_lossless(bad_drafter):
+def test_graphed_speculative_decoding_is_lossless():
     model = tiny_gdn(seed=52)
     drafter = tiny_gdn(seed=52)                  # same weights: drafts are accepted, trees go deep
+    # a bad drafter of its own, not the session's: the emulated graphs stay on its runner (another test file's
+    # calls with the session's drafter would capture, and phases that capture are not timed)
+    bad_drafter = tiny_gdn(seed=1, hidden=32, layers=1, heads=2, head_dim=8)
     runners = [emulate_graphs(model, "target"), emulate_graphs(drafter, "drafter"),
                emulate_graphs(bad_drafter, "drafter")]
     gen = torch.Generator().manual_seed(5)
