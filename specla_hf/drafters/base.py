@@ -423,9 +423,9 @@ class DynamicTreeDrafter:
         a CUDA graph with the step's acceptance); ``launch_caught_up`` then drafts from the new root."""
         raise NotImplementedError
 
-    def launch_caught_up(self) -> None:
-        """``launch``'s depths and selection after ``catch_up``."""
-        self._expand(True, None, self.buffers.tokens[:1])
+    def launch_caught_up(self, max_depth: int | None = None) -> None:
+        """``launch``'s depths and selection after ``catch_up``, no deeper than ``max_depth``."""
+        self._expand(True, max_depth, self.buffers.tokens[:1])
 
     def advance(self, n: int) -> None:
         """The host learns that the step of the last ``catch_up`` emitted ``n`` tokens: that many positions more are

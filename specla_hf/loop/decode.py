@@ -156,7 +156,10 @@ class DeviceDriver:
                 self.tree_readback.queue(drafter.buffers.verified)
         t1 = time.perf_counter()
         with record_function("specla.launch"):
-            shapes.launch(drafter, step.start, self.nodes, drafter.launch_caught_up)
+            # this step emits at least one token, so no deeper than the length limit then leaves room for (a depth
+            # at least: the device verifies only trees selected on the device)
+            depth_room = max(1, self.max_length - host_ids.shape[1] - 2)
+            shapes.launch(drafter, step.start, self.nodes, lambda: drafter.launch_caught_up(depth_room))
         t2 = time.perf_counter()
         # ahead of this step's tokens unless they may reach the length limit: the host's work until the next step
         # (stopping criteria, streamer, policies) then runs while the GPU verifies, not between drafting and verifying
