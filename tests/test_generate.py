@@ -341,7 +341,8 @@ def test_device_loop_verifies_ahead_and_discards_what_a_stop_leaves(target, devi
     """The device loop queues each next verify pass before the host reads a step's tokens, except where the step may
     reach the length limit: a call stopped by its length verifies once per step; a call stopped by a criterion the
     loop cannot foresee verifies once more and discards that pass (nothing pending) and emits exactly the first
-    call's tokens up to the stop; on a CPU both equal plain decoding. On a GPU the verify passes, the step tails and
+    call's tokens up to the stop; on a CPU both equal plain decoding. The proposal the last step launches is no
+    deeper than the length limit leaves room for. On a GPU the verify passes, the step tails and
     the drafting are graph replays; the drafter's perfect copy and the configured shape make the two calls' steps
     the same."""
     from specla_hf.loop import decode
@@ -363,10 +364,14 @@ def test_device_loop_verifies_ahead_and_discards_what_a_stop_leaves(target, devi
     options = draft_options(tree=True, confidence_threshold=0.0, adaptive_drafting=False)
     for criteria, ahead in ((MaxLengthCriteria(ids.shape[1] + 40), 0), (StopAtLength(), 1)):
         verified.clear()
-        seq, stats, _, _ = speculative_decode(runner, GDNDrafter(drafter_model, options), ids, LogitsProcessorList(),
+        drafter = GDNDrafter(drafter_model, options)
+        seq, stats, _, _ = speculative_decode(runner, drafter, ids, LogitsProcessorList(),
                                               StoppingCriteriaList([criteria]), False, ids.shape[1] + 40)
         assert stats.acceptance == "device"
         assert sum(verified) == stats.steps + ahead and caches[-1].num_pending == 0
+        # the proposal launched by the last step drafts no deeper than one more token would leave room for
+        before_last = sum(stats.accepted[:-1]) + stats.steps - 1          # tokens emitted before the last step
+        assert drafter.launched_depths == min(options.depth, max(1, 40 - before_last - 2))
         outputs.append(seq)
     assert outputs[1].shape[1] == stop_at and torch.equal(outputs[1], outputs[0][:, :stop_at])
     if device == "cpu":
