@@ -342,9 +342,8 @@ def test_device_loop_verifies_ahead_and_discards_what_a_stop_leaves(target, devi
     reach the length limit: a call stopped by its length verifies once per step; a call stopped by a criterion the
     loop cannot foresee verifies once more and discards that pass (nothing pending) and emits exactly the first
     call's tokens up to the stop; on a CPU both equal plain decoding. The proposal the last step launches is no
-    deeper than the length limit leaves room for. On a GPU the verify passes, the step tails and
-    the drafting are graph replays; the drafter's perfect copy and the configured shape make the two calls' steps
-    the same."""
+    deeper than the length limit leaves room for. On a GPU the verify passes, the step tails and the drafting are
+    graph replays; the drafter's perfect copy and the configured shape make the two calls' steps the same."""
     from specla_hf.loop import decode
     model = copy.deepcopy(target).to(device)
     drafter_model = copy.deepcopy(model)            # copied before the target's runner fuses its weights
