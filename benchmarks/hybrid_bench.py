@@ -80,11 +80,12 @@ class OracleDrafts:
     def __enter__(self) -> OracleDrafts:
         compute = self.compute
 
-        def oracle(runner, inputs, cache, parents, logits_positions, hidden_layers):
-            out = compute(runner, inputs, cache, parents, logits_positions, hidden_layers)
+        def oracle(runner, inputs, cache, parents, logits_positions, hidden_layers, log_probs=True):
+            out = compute(runner, inputs, cache, parents, logits_positions, hidden_layers, log_probs=log_probs)
             tokens = inputs[1] if logits_positions is None else inputs[1][:, logits_positions]
             rows = self.draft_index[self.successor[tokens]]
             hot = torch.zeros_like(out.logits).scatter_(-1, rows[..., None], self.BOOST)
+            # log-probs serve as logits too (sampled drafting asks for logits): both draw the oracle's distribution
             out.logits.copy_(torch.log_softmax(hot + torch.randn_like(hot) * self.scale, -1))
             return out
         _MTPRunner.compute = oracle
