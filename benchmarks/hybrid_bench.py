@@ -240,23 +240,20 @@ def bench_shape(shape: str, target, drafters: dict, ids_list: list, n_new: int, 
         for name, drafter in drafters.items():
             for noise in (noises or [None]) if name == "mtp" else [None]:
                 for method, kw in methods.items():
-                    if noise is None:
-                        torch.manual_seed(1)
-                        ms, stats = run(target, ids_list, n_new, assistant_model=drafter, **decoding, **kw)
-                    else:
+                    if noise is not None:
                         oracle.scale.fill_(noise)
 
-                        def over_prompts():
-                            ms, stats = 0.0, []
-                            torch.manual_seed(1)
-                            for ids, sequence in zip(ids_list, continuations):
-                                oracle.expect(sequence)
-                                one, one_stats = run(target, [ids], n_new, assistant_model=drafter, **decoding,
-                                                     **kw)
-                                ms, stats = ms + one / len(ids_list), stats + one_stats
-                            return ms, stats
-                        # this acceptance grows trees (tree buckets, graphs) the warm-up did not reach
-                        ms, stats = warmed(over_prompts)
+                    def over_prompts():
+                        ms, stats = 0.0, []
+                        torch.manual_seed(1)
+                        for i, ids in enumerate(ids_list):
+                            if noise is not None:
+                                oracle.expect(continuations[i])
+                            one, one_stats = run(target, [ids], n_new, assistant_model=drafter, **decoding, **kw)
+                            ms, stats = ms + one / len(ids_list), stats + one_stats
+                        return ms, stats
+                    # every method grows trees (tree buckets, graphs) the short warm-up did not reach
+                    ms, stats = warmed(over_prompts)
                     records.append(dict(base, method=method, drafter=name, noise=noise, tau=tau_of(stats),
                                         ms_per_token=ms, mode=sorted({s.mode for s in stats}), **(sampling or {}),
                                         **speculation_counts(stats)))
