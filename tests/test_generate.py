@@ -337,6 +337,22 @@ def test_gdn_drafter_takes_the_device_loop(target, bad_drafter, tree, monkeypatc
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_the_default_chain_prunes_on_a_cpu_and_drafts_unpruned_on_the_device_loop_elsewhere(target, device):
+    """``generate``'s default chain: on a CPU its confidence threshold ends drafting at an unconfident depth, which
+    the host selects; on a GPU no threshold, so the chain runs in the device loop like the tree. Both lossless."""
+    model = copy.deepcopy(target).to(device)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(4)).to(device)
+    n = ids.shape[1] + 24
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_length=n, do_sample=False)
+    drafter = copy.deepcopy(model)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_length=n, do_sample=False,
+                         assistant_model=drafter)
+    assert torch.equal(out, plain)
+    assert model.specla_stats.acceptance == ("host" if device == "cpu" else "device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
 def test_device_loop_verifies_ahead_and_discards_what_a_stop_leaves(target, device, monkeypatch):
     """The device loop queues each next verify pass before the host reads a step's tokens, except where the step may
     reach the length limit: a call stopped by its length verifies once per step; a call stopped by a criterion the

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 # only what the parser needs: --help and bad flags are answered without importing torch
 from specla_hf.app.choices import DTYPE_NAMES, LAYER_SKIP, MTP, ModelError
-from specla_hf.drafters.options import CHAIN_DEFAULTS, MAX_TREE_BUDGET, TREE_DEFAULTS
+from specla_hf.drafters.options import CHAIN_DEFAULTS, CPU_CHAIN_THRESHOLD, MAX_TREE_BUDGET, TREE_DEFAULTS
 
 if TYPE_CHECKING:
     from specla_hf.app.loading import Models
@@ -108,8 +108,9 @@ def _add_model_and_decoding_arguments(parser: argparse.ArgumentParser, new_token
                      help=f"draft nodes verified per step, with --tree: 1-{MAX_TREE_BUDGET}, as one verify pass "
                           f"takes the root and at most {MAX_TREE_BUDGET} drafts (default: {TREE_DEFAULTS.budget})")
     dec.add_argument("--confidence-threshold", type=_bounded(float, lambda p: 0 <= p < 1, "at least 0 and below 1"),
-                     help="drop draft nodes whose cumulative draft probability is below this "
-                          f"(default: {CHAIN_DEFAULTS.threshold} for chains, {TREE_DEFAULTS.threshold} for trees)")
+                     help="drop draft nodes whose cumulative draft probability is below this (default: "
+                          f"{CPU_CHAIN_THRESHOLD} for chains on a CPU, else {TREE_DEFAULTS.threshold:g}: on a GPU a "
+                          "threshold selects each proposal on the host)")
     dec.add_argument("--draft-depth", type=POSITIVE_INT,
                      help=f"longest draft path (default: {CHAIN_DEFAULTS.depth} for chains, "
                           f"{TREE_DEFAULTS.depth} for trees)")

@@ -27,7 +27,7 @@ from specla_hf.app.loading import Models
 from specla_hf.app.prompts import SHIPPED
 from specla_hf.app.runs import Comparison, DecodeSettings, Run, compare, encode
 from specla_hf.drafters.base import DraftTree
-from specla_hf.drafters.options import CHAIN_DEFAULTS, MAX_TREE_BUDGET, TREE_DEFAULTS
+from specla_hf.drafters.options import MAX_TREE_BUDGET, TREE_DEFAULTS, default_threshold
 
 DRAFT, BONUS = "draft", "bonus"
 COLORS = {DRAFT: "#a5dea8", BONUS: "#f9c98f"}
@@ -47,7 +47,7 @@ LEGEND = (f'<b>SpecLA</b> <span class="legend"><span class="{DRAFT}">draft accep
 def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
     budget = settings.tree_budget or TREE_DEFAULTS.budget
     threshold = settings.confidence_threshold if settings.confidence_threshold is not None else \
-        (TREE_DEFAULTS if settings.tree else CHAIN_DEFAULTS).threshold
+        (TREE_DEFAULTS.threshold if settings.tree else default_threshold(models.target.device.type))
     device = str(models.target.device)
 
     def stream(prompt: str, max_new_tokens: float, temperature: float, mode: str, tree_budget: float,
@@ -77,7 +77,7 @@ def build_app(models: Models, settings: DecodeSettings) -> gr.Blocks:
 
     def generate(prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, tree: bool = False,
                  tree_budget: int = TREE_DEFAULTS.budget,
-                 confidence_threshold: float = CHAIN_DEFAULTS.threshold, fallback: bool = True) -> dict:
+                 confidence_threshold: float | None = None, fallback: bool = True) -> dict:
         """SpecLA and plain decoding on one prompt: both texts, tokens/s, tau, speedup, whether they match, and
         whether SpecLA speculated to the end ("mode": "speculative") or fell back ("autoregressive", and why)."""
         s = _settings(max_new_tokens, temperature, tree, tree_budget, confidence_threshold, fallback, settings)
@@ -184,7 +184,8 @@ def _settings(max_new_tokens, temperature, tree, tree_budget, confidence_thresho
               base: DecodeSettings) -> DecodeSettings:
     s = DecodeSettings(max_new_tokens=int(max_new_tokens), temperature=float(temperature), tree=bool(tree),
                        fallback=bool(fallback), tree_budget=int(tree_budget),
-                       confidence_threshold=float(confidence_threshold), draft_depth=base.draft_depth)
+                       confidence_threshold=None if confidence_threshold is None else float(confidence_threshold),
+                       draft_depth=base.draft_depth)
     try:
         s.check()
     except ValueError as e:

@@ -42,7 +42,7 @@ import torch
 
 from transformers.generation.logits_process import LogitsProcessorList
 
-from specla_hf.drafters.options import DraftOptions
+from specla_hf.drafters.options import DraftOptions, default_threshold
 from specla_hf.loop.acceptance import Warpers, kernel_warpers, processor_key
 from specla_hf.models.graphed import tree_bucket
 from specla_hf.runtime.transfer import HostCopy, copy_in
@@ -327,6 +327,8 @@ class DynamicTreeDrafter:
     @property
     def threshold(self) -> float:
         base = self.options.threshold
+        if base is None:
+            base = default_threshold(self.runner.device.type)
         return min(base / self.calibration.ratio, 0.99) if self.options.adaptive else base
 
     def _buffers(self) -> DraftBuffers:
